@@ -1,0 +1,63 @@
+"""The one exception tree of flodl.
+
+Peer misbehaviour is a :class:`RemoteProtocolError` (the shell closes that peer and carries on);
+our own API misuse is a :class:`LocalProtocolError` (a bug: it propagates). Timeouts are never
+exceptions inside the coordinator: they come back as effects carrying a reason.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FlodlError",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "FrameError",
+    "LocalProtocolError",
+    "CycleAborted",
+    "CoordinatorLost",
+    "ConfigError",
+]
+
+
+class FlodlError(Exception):
+    """Base of every error flodl raises on purpose."""
+
+
+class ProtocolError(FlodlError):
+    """A protocol rule was broken. Abstract: raise a subclass.
+
+    Attributes:
+        rank: the offending rank when known, else ``None``.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None) -> None:
+        if type(self) is ProtocolError:
+            raise TypeError(
+                "ProtocolError is abstract; raise RemoteProtocolError or LocalProtocolError"
+            )
+        super().__init__(message)
+        self.rank = rank
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer broke the protocol: close that peer, leave the machine unchanged."""
+
+
+class FrameError(RemoteProtocolError):
+    """Bytes that are not a valid frame: truncated, oversize, bad tag, bad body or bad field."""
+
+
+class LocalProtocolError(ProtocolError):
+    """We misused the API (a bug on our side): propagate."""
+
+
+class CycleAborted(FlodlError):
+    """Raised on a rank's main thread when the coordinator aborts an averaging cycle."""
+
+
+class CoordinatorLost(FlodlError):
+    """The rank bridge lost its coordinator (EOF or liveness timeout)."""
+
+
+class ConfigError(FlodlError, ValueError):
+    """An invalid configuration value; the message names the field."""

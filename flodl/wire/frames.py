@@ -1,0 +1,555 @@
+"""The control-plane message catalog: every frame a rank and the coordinator exchange.
+
+Pure module: pydantic models only, no I/O. Each frame is a frozen model with a ``kind``
+literal (the snake_case name of the class); :data:`Frame` is their discriminated union and
+:data:`FRAME_ADAPTER` the one :class:`pydantic.TypeAdapter` that validates it.
+
+Every numeric field is range-checked (ranks ≥ 0 and below :data:`MAX_WORLD_SIZE`, counters ≥ 0,
+durations and weights finite and non-negative, losses finite), every string and list is bounded,
+and unknown fields are refused, so a decoded frame is safe to act on.
+
+Directions (flodl-spec.md §7.2-7.3, in snake_case):
+
+* rank → coordinator: :class:`Hello` (first frame on every connection), :class:`Heartbeat`,
+  :class:`Batch`, :class:`SyncAck`, :class:`SnapshotReady`, :class:`Metrics`, :class:`LrUpdate`,
+  :class:`Intent`, :class:`EvalResult`, :class:`CheckpointResult`, :class:`EpochFnElapsed`,
+  :class:`ResourceSample`, :class:`Exiting`, and from a launcher's supervisor connection
+  :class:`RankExited`.
+* coordinator → rank: :class:`Accept` / :class:`Reject` (handshake reply),
+  :class:`CoordHeartbeat`, :class:`StartEpoch`, :class:`ExtendPartition`,
+  :class:`RequestParams`, :class:`Update`, :class:`SyncNow`, :class:`Throttle`,
+  :class:`SetGlobalStep`, :class:`DeclareDead`, :class:`NewSession`, :class:`Checkpoint`,
+  :class:`SaveConsensusModel`, :class:`ExecuteEval`, :class:`ArmConsensusEval`,
+  :class:`SetEpochCallbackRole`, :class:`EpochAggregated`, :class:`EvalBroadcast`,
+  :class:`StageAdvisory`, :class:`Shutdown`, :class:`ShutdownWithSave`.
+
+Deviation from the original: the NCCL re-rendezvous pair ``RequestNewNcclId`` /
+``NewNcclIdGenerated`` is not needed because the coordinator hosts the ``torch.distributed``
+store itself; :class:`NewSession` carries a fresh store prefix instead of a 128-byte NCCL uid.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAX_WORLD_SIZE",
+    "MAX_SCALARS",
+    "SaveReason",
+    "Role",
+    "EpochPlan",
+    "EpochMetrics",
+    # rank -> coordinator
+    "Hello",
+    "Heartbeat",
+    "Batch",
+    "SyncAck",
+    "SnapshotReady",
+    "Metrics",
+    "LrUpdate",
+    "Intent",
+    "EvalResult",
+    "CheckpointResult",
+    "EpochFnElapsed",
+    "ResourceSample",
+    "Exiting",
+    "RankExited",
+    # coordinator -> rank
+    "Accept",
+    "Reject",
+    "CoordHeartbeat",
+    "StartEpoch",
+    "ExtendPartition",
+    "RequestParams",
+    "Update",
+    "SyncNow",
+    "Throttle",
+    "SetGlobalStep",
+    "DeclareDead",
+    "NewSession",
+    "Checkpoint",
+    "SaveConsensusModel",
+    "ExecuteEval",
+    "ArmConsensusEval",
+    "SetEpochCallbackRole",
+    "EpochAggregated",
+    "EvalBroadcast",
+    "StageAdvisory",
+    "Shutdown",
+    "ShutdownWithSave",
+    # unions
+    "Frame",
+    "RankFrame",
+    "CoordFrame",
+    "FRAME_ADAPTER",
+    "FRAME_KINDS",
+    "RANK_FRAME_KINDS",
+    "COORD_FRAME_KINDS",
+]
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change of a frame or of the codec."""
+
+MAX_WORLD_SIZE = 65_536
+MAX_U63 = (1 << 63) - 1
+MAX_SCALARS = 256
+"""Most user scalars (``record_scalar`` names) one metrics frame may carry."""
+MAX_TEXT = 4096
+"""Longest free-text field (error messages, reasons), in characters."""
+MAX_SEGMENTS = 4096
+
+# ---------------------------------------------------------------------------------------------
+# Field types
+# ---------------------------------------------------------------------------------------------
+
+RankId = Annotated[int, Field(ge=0, lt=MAX_WORLD_SIZE)]
+WorldSize = Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)]
+Count = Annotated[int, Field(ge=0, le=MAX_U63)]
+Millis = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+NonNeg = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+RunId = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+Signature = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+"""A model signature: lowercase hex SHA-256 of the parameter names, shapes and dtypes."""
+
+SaveReason = Literal[
+    "graceful_shutdown",
+    "max_failure_exceeded",
+    "single_survivor",
+    "all_ranks_lost",
+    "reduce_stall",
+]
+"""Why a ``shutdown_with_save`` was broadcast (the original's SaveReason, JSON spelling)."""
+
+Role = Literal["rank", "worker", "supervisor"]
+"""What a connection is: a training rank, a cooperative-tier worker, or a launcher's
+supervisor that reports child exits (``rank_exited``) and trains nothing."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
+
+
+class _Frame(_Model):
+    """Base of every frame. Do not instantiate directly."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared payloads
+# ---------------------------------------------------------------------------------------------
+
+
+class EpochPlan(_Model):
+    """A contiguous slice of an epoch's permutation, in samples: ``[offset, offset + size)``."""
+
+    epoch: Count
+    partition_offset: Count
+    partition_size: Count
+
+
+class EpochMetrics(_Model):
+    """One epoch's aggregate across ranks (flodl-spec.md §6.8).
+
+    Per-rank lists are indexed by rank and have ``world_size`` entries; a rank that reported
+    nothing this epoch has ``None`` in the optional lists and 0 in the counters.
+    """
+
+    epoch: Count
+    avg_loss: Finite
+    epoch_ms: Millis
+    scalars: dict[Name, Finite] = Field(default_factory=dict, max_length=MAX_SCALARS)
+    per_rank: list[dict[Name, Finite]] = Field(default_factory=list, max_length=MAX_WORLD_SIZE)
+    per_rank_loss: list[Finite | None] = Field(default_factory=list, max_length=MAX_WORLD_SIZE)
+    per_rank_throughput: list[NonNeg] = Field(default_factory=list, max_length=MAX_WORLD_SIZE)
+    per_rank_batch_share: list[NonNeg] = Field(default_factory=list, max_length=MAX_WORLD_SIZE)
+    per_rank_samples: list[Count] = Field(default_factory=list, max_length=MAX_WORLD_SIZE)
+    per_rank_share_complete_ms: list[Millis] = Field(
+        default_factory=list, max_length=MAX_WORLD_SIZE
+    )
+    per_rank_compute_only_ms: list[Millis] = Field(default_factory=list, max_length=MAX_WORLD_SIZE)
+    per_rank_data_starve_ms: list[Millis] = Field(default_factory=list, max_length=MAX_WORLD_SIZE)
+    device_indices: list[int | None] = Field(default_factory=list, max_length=MAX_WORLD_SIZE)
+    syncs: Count = 0
+    anchor: Count = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# rank -> coordinator
+# ---------------------------------------------------------------------------------------------
+
+
+class Hello(_Frame):
+    """First frame on every connection. The coordinator refuses a wrong protocol, run id,
+    world size, a duplicate rank or a model signature that differs from the first rank's."""
+
+    kind: Literal["hello"] = "hello"
+    protocol: Annotated[int, Field(ge=0, le=65_535)] = PROTOCOL_VERSION
+    run_id: RunId
+    rank: RankId
+    world_size: WorldSize
+    model_signature: Signature
+    role: Role = "rank"
+    host: Annotated[str, StringConstraints(max_length=255)] = ""
+    device: Annotated[str, StringConstraints(max_length=64)] = "cpu"
+
+
+class Heartbeat(_Frame):
+    """Sent by the rank's bridge thread every second; ``step`` is the main thread's last
+    written optimizer-step counter (cumulative over the run)."""
+
+    kind: Literal["heartbeat"] = "heartbeat"
+    rank: RankId
+    step: Count
+
+
+class Batch(_Frame):
+    """One optimizer step done. ``batch_ms`` is compute only, ``data_ms`` the wait for data."""
+
+    kind: Literal["batch"] = "batch"
+    rank: RankId
+    epoch: Count
+    step: Count
+    batch_ms: Millis
+    data_ms: Millis = 0.0
+    loss: Finite
+    param_norm: NonNeg | None = None
+
+
+class SyncAck(_Frame):
+    """The rank took part in averaging cycle ``cycle``; ``step`` is its cumulative step count
+    at its snapshot. Divergence per flodl-spec.md §3.1: ``||W_pre - W_post|| / ||W_post||``."""
+
+    kind: Literal["sync_ack"] = "sync_ack"
+    rank: RankId
+    cycle: Count
+    step: Count
+    divergence: NonNeg | None = None
+    pre_norm: NonNeg | None = None
+    post_norm: NonNeg | None = None
+    error: Text | None = None
+
+
+class SnapshotReady(_Frame):
+    """The rank's parameter upload for ``cycle`` left (honest per-rank upload latency)."""
+
+    kind: Literal["snapshot_ready"] = "snapshot_ready"
+    rank: RankId
+    cycle: Count
+
+
+class Metrics(_Frame):
+    """A rank's report for a finished chunk (progressive) or epoch partition (sync).
+
+    ``scalars`` maps a ``record_scalar`` name to ``(sum, count)`` over the chunk.
+    """
+
+    kind: Literal["metrics"] = "metrics"
+    rank: RankId
+    epoch: Count
+    avg_loss: Finite
+    batches_processed: Count
+    samples_processed: Count
+    epoch_ms: Millis
+    share_complete_ms: Millis
+    compute_only_ms: Millis
+    data_starve_ms: Millis = 0.0
+    scalars: dict[Name, tuple[Finite, Count]] = Field(default_factory=dict, max_length=MAX_SCALARS)
+
+
+class LrUpdate(_Frame):
+    kind: Literal["lr_update"] = "lr_update"
+    rank: RankId
+    lr: NonNeg
+
+
+class Intent(_Frame):
+    """A cooperative-tier request, folded into the next epoch-boundary dispatch."""
+
+    kind: Literal["intent"] = "intent"
+    rank: RankId
+    intent: Literal["eval_now", "checkpoint_now"]
+
+
+class EvalResult(_Frame):
+    kind: Literal["eval_result"] = "eval_result"
+    rank: RankId
+    schedule_id: Count
+    epoch: Count
+    metric: Finite | None = None
+    elapsed_ms: Millis
+    error: Text | None = None
+
+
+class CheckpointResult(_Frame):
+    kind: Literal["checkpoint_result"] = "checkpoint_result"
+    rank: RankId
+    version: Count
+    elapsed_ms: Millis
+    error: Text | None = None
+
+
+class EpochFnElapsed(_Frame):
+    kind: Literal["epoch_fn_elapsed"] = "epoch_fn_elapsed"
+    rank: RankId
+    epoch: Count
+    elapsed_ms: Millis
+
+
+class ResourceSample(_Frame):
+    kind: Literal["resource_sample"] = "resource_sample"
+    rank: RankId
+    cpu_percent: Annotated[float, Field(ge=0.0, le=100_000.0, allow_inf_nan=False)]
+    ram_used: Count
+    ram_total: Count
+    gpu_util_percent: Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)] | None = None
+    vram_allocated: Count | None = None
+    vram_total: Count | None = None
+
+
+class Exiting(_Frame):
+    """Sent only on clean completion: a latch, so a finished rank never counts as a death."""
+
+    kind: Literal["exiting"] = "exiting"
+    rank: RankId
+
+
+class RankExited(_Frame):
+    """From a launcher's supervisor connection: a child process ended (fast death path)."""
+
+    kind: Literal["rank_exited"] = "rank_exited"
+    rank: RankId
+    exit_code: Annotated[int, Field(ge=-255, le=255)]
+
+
+# ---------------------------------------------------------------------------------------------
+# coordinator -> rank
+# ---------------------------------------------------------------------------------------------
+
+
+class Accept(_Frame):
+    """Handshake accepted. Timeouts are already scaled by ``FLODL_NET_TIMEOUT_SCALE``."""
+
+    kind: Literal["accept"] = "accept"
+    protocol: Annotated[int, Field(ge=0, le=65_535)] = PROTOCOL_VERSION
+    run_id: RunId
+    rank: RankId
+    world_size: WorldSize
+    session: Count = 0
+    heartbeat_timeout_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+    data_port: Annotated[int, Field(ge=0, le=65_535)] | None = None
+    store_port: Annotated[int, Field(ge=0, le=65_535)] | None = None
+
+
+class Reject(_Frame):
+    """Handshake refused; ``reason`` is printed by the rank before it exits."""
+
+    kind: Literal["reject"] = "reject"
+    reason: Text
+
+
+class CoordHeartbeat(_Frame):
+    kind: Literal["coord_heartbeat"] = "coord_heartbeat"
+
+
+class StartEpoch(_Frame):
+    """Train this slice next (a whole-epoch partition or one progressive chunk)."""
+
+    kind: Literal["start_epoch"] = "start_epoch"
+    plan: EpochPlan
+
+
+class ExtendPartition(_Frame):
+    """Append a dead rank's untrained slice to the in-flight partition (non-progressive)."""
+
+    kind: Literal["extend_partition"] = "extend_partition"
+    epoch: Count
+    partition_offset: Count
+    partition_size: Count
+
+
+class RequestParams(_Frame):
+    """CPU averaging cycle ``cycle`` starts: upload the weighted parameters."""
+
+    kind: Literal["request_params"] = "request_params"
+    cycle: Count
+
+
+class Update(_Frame):
+    """CPU cycle ``version`` finished (the consensus comes on the data channel); in CPU
+    Cadence the next chunk is folded in so the rank starts it without another round trip."""
+
+    kind: Literal["update"] = "update"
+    version: Count
+    next_plan: EpochPlan | None = None
+
+
+class SyncNow(_Frame):
+    """Collective averaging cycle ``cycle`` starts: all-reduce at the next step boundary."""
+
+    kind: Literal["sync_now"] = "sync_now"
+    cycle: Count
+
+
+class Throttle(_Frame):
+    """Block after the current step until the next command (CPU Sync barrier / lead limit)."""
+
+    kind: Literal["throttle"] = "throttle"
+
+
+class SetGlobalStep(_Frame):
+    kind: Literal["set_global_step"] = "set_global_step"
+    global_step: Count
+
+
+class DeclareDead(_Frame):
+    kind: Literal["declare_dead"] = "declare_dead"
+    rank: RankId
+    reason: Text = ""
+
+
+class NewSession(_Frame):
+    """Re-form the collective group among survivors after a death.
+
+    ``ranks`` lists the surviving global ranks in ascending order; a survivor's ``new_rank``
+    is its position in that list.
+    """
+
+    kind: Literal["new_session"] = "new_session"
+    session: Count
+    store_prefix: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    new_rank: RankId
+    new_world_size: WorldSize
+    ranks: list[RankId] = Field(max_length=MAX_WORLD_SIZE)
+
+
+class Checkpoint(_Frame):
+    kind: Literal["checkpoint"] = "checkpoint"
+    version: Count
+    target_rank: RankId
+
+
+class SaveConsensusModel(_Frame):
+    kind: Literal["save_consensus_model"] = "save_consensus_model"
+    target_rank: RankId
+    version: Count = 0
+
+
+class ExecuteEval(_Frame):
+    kind: Literal["execute_eval"] = "execute_eval"
+    schedule_id: Count
+    epoch: Count
+    target_rank: RankId
+    adopt_consensus: bool = False
+
+
+class ArmConsensusEval(_Frame):
+    """CPU modes: score the consensus of the next cycle (sent before ``request_params``)."""
+
+    kind: Literal["arm_consensus_eval"] = "arm_consensus_eval"
+    schedule_id: Count
+    epoch: Count
+    target_rank: RankId
+
+
+class SetEpochCallbackRole(_Frame):
+    kind: Literal["set_epoch_callback_role"] = "set_epoch_callback_role"
+    rank: RankId
+
+
+class EpochAggregated(_Frame):
+    kind: Literal["epoch_aggregated"] = "epoch_aggregated"
+    metrics: EpochMetrics
+
+
+class EvalBroadcast(_Frame):
+    kind: Literal["eval_broadcast"] = "eval_broadcast"
+    epoch: Count
+    metric: Finite
+
+
+class StageAdvisory(_Frame):
+    """Advisory only, for a background data stager: per-rank counts and predicted segments
+    ``(epoch, [(offset, size), …])``."""
+
+    kind: Literal["stage_advisory"] = "stage_advisory"
+    counts: list[Count] = Field(max_length=MAX_WORLD_SIZE)
+    segments: list[tuple[Count, list[tuple[Count, Count]]]] = Field(max_length=MAX_SEGMENTS)
+
+
+class Shutdown(_Frame):
+    """The run is over: send the final snapshot, ``exiting``, and stop."""
+
+    kind: Literal["shutdown"] = "shutdown"
+
+
+class ShutdownWithSave(_Frame):
+    """Unrecoverable state: the coordinator wrote the meta; write your files and exit."""
+
+    kind: Literal["shutdown_with_save"] = "shutdown_with_save"
+    reason: SaveReason
+    detail: Text = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Unions
+# ---------------------------------------------------------------------------------------------
+
+RankFrame = (
+    Hello
+    | Heartbeat
+    | Batch
+    | SyncAck
+    | SnapshotReady
+    | Metrics
+    | LrUpdate
+    | Intent
+    | EvalResult
+    | CheckpointResult
+    | EpochFnElapsed
+    | ResourceSample
+    | Exiting
+    | RankExited
+)
+CoordFrame = (
+    Accept
+    | Reject
+    | CoordHeartbeat
+    | StartEpoch
+    | ExtendPartition
+    | RequestParams
+    | Update
+    | SyncNow
+    | Throttle
+    | SetGlobalStep
+    | DeclareDead
+    | NewSession
+    | Checkpoint
+    | SaveConsensusModel
+    | ExecuteEval
+    | ArmConsensusEval
+    | SetEpochCallbackRole
+    | EpochAggregated
+    | EvalBroadcast
+    | StageAdvisory
+    | Shutdown
+    | ShutdownWithSave
+)
+Frame = Annotated[RankFrame | CoordFrame, Field(discriminator="kind")]
+
+FRAME_ADAPTER: TypeAdapter[RankFrame | CoordFrame] = TypeAdapter(Frame)
+"""Built once (pydantic performance tip): validates any frame from plain Python data."""
+
+
+def _kinds(union: object) -> frozenset[str]:
+    members = getattr(union, "__args__", ())
+    return frozenset(m.model_fields["kind"].default for m in members)
+
+
+RANK_FRAME_KINDS = _kinds(RankFrame)
+COORD_FRAME_KINDS = _kinds(CoordFrame)
+FRAME_KINDS = RANK_FRAME_KINDS | COORD_FRAME_KINDS
