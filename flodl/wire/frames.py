@@ -228,6 +228,7 @@ class SyncAck(_Frame):
     rank: RankId
     cycle: Count
     step: Count
+    session: Count = 0
     divergence: NonNeg | None = None
     pre_norm: NonNeg | None = None
     post_norm: NonNeg | None = None
@@ -240,6 +241,7 @@ class SnapshotReady(_Frame):
     kind: Literal["snapshot_ready"] = "snapshot_ready"
     rank: RankId
     cycle: Count
+    step: Count = 0
 
 
 class Metrics(_Frame):

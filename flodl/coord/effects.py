@@ -1,0 +1,142 @@
+"""Effects: what the coordinator machine asks its shell to do, as plain data.
+
+Pure module. The shell executes effects in list order; every decision that evicts, shuts down
+or re-elects carries a human-readable ``reason``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flodl.wire.frames import CoordFrame, EpochMetrics, SaveReason
+
+__all__ = [
+    "Send",
+    "Reply",
+    "RefusePeer",
+    "Close",
+    "RankDead",
+    "OpenReduce",
+    "WriteMeta",
+    "Record",
+    "Alert",
+    "EpochDone",
+    "EvalDone",
+    "RunOver",
+    "Effect",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send ``frame`` to ``rank`` (best-effort: a failed send is reported back as PeerLost)."""
+
+    rank: int
+    frame: CoordFrame
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Send ``frame`` on the connection that delivered the current input (handshake replies).
+    An ``Accept`` binds that connection to ``Accept.rank``."""
+
+    frame: CoordFrame
+
+
+@dataclass(frozen=True, slots=True)
+class RefusePeer:
+    """Close the connection that delivered the current input, after any :class:`Reply`."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    """Close the control connection of ``rank``."""
+
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RankDead:
+    """``rank`` is declared dead: stop waiting for it anywhere (reduce server, supervisor)."""
+
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class OpenReduce:
+    """CPU backend: expect uploads for round ``cycle`` from ``ranks``."""
+
+    cycle: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteMeta:
+    """Write the checkpoint meta (atomically). ``meta`` is JSON-ready."""
+
+    meta: dict[str, Any]
+    reason: SaveReason | str
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A node record for the record log / dashboard (``path`` like ``root/host/rank0``)."""
+
+    path: str
+    kind: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Alert:
+    """An alert event (``rank_lost``, ``drift``, ``control_drop``, ``reduce_stall``…)."""
+
+    cls: str
+    path: str
+    detail: str
+    severity: str = "warning"
+
+
+@dataclass(frozen=True, slots=True)
+class EpochDone:
+    """An epoch was aggregated: deliver to ``metrics_fn`` and the handle's queue."""
+
+    metrics: EpochMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class EvalDone:
+    """An eval finished on a rank: deliver to ``eval_result_fn`` on the host."""
+
+    epoch: int
+    metric: float
+
+
+@dataclass(frozen=True, slots=True)
+class RunOver:
+    """The run ended; ``ok`` is False after a ShutdownWithSave or a formation failure."""
+
+    ok: bool
+    reason: str
+    save_reason: SaveReason | None = None
+
+
+Effect = (
+    Send
+    | Reply
+    | RefusePeer
+    | Close
+    | RankDead
+    | OpenReduce
+    | WriteMeta
+    | Record
+    | Alert
+    | EpochDone
+    | EvalDone
+    | RunOver
+)

@@ -1,0 +1,147 @@
+"""Liveness: who is alive, who is stale, who exited cleanly, when the run is unrecoverable.
+
+Pure module (time is an argument). Rules (DESIGN.md §4 "Liveness"):
+
+* every frame from a rank refreshes its ``last_seen_at``; a rank silent for
+  ``heartbeat_timeout_s`` is stale and gets declared dead;
+* a launcher-reported child exit, or a lost connection, is the fast path (no waiting);
+* ``exiting`` is a latch: a rank that finished cleanly is never counted as a death and is
+  excluded from staleness scans;
+* after a death, :func:`unrecoverable_reason` decides whether the survivors may go on.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from flodl.config import Backend, MaxFailure
+from flodl.wire.frames import SaveReason
+
+__all__ = ["RankState", "Liveness", "unrecoverable_reason"]
+
+
+class RankState(enum.Enum):
+    JOINING = "joining"
+    ALIVE = "alive"
+    EXITED = "exited"
+    DEAD = "dead"
+
+
+@dataclass(slots=True)
+class _Rank:
+    state: RankState = RankState.JOINING
+    last_seen_at: float = 0.0
+    reason: str = ""
+
+
+class Liveness:
+    """Per-rank liveness ledger.
+
+    Args:
+        world_size: number of ranks.
+        heartbeat_timeout_s: silence (seconds, monotonic) after which a rank is stale.
+    """
+
+    def __init__(self, world_size: int, heartbeat_timeout_s: float) -> None:
+        self.world_size = world_size
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._ranks = [_Rank() for _ in range(world_size)]
+
+    # queries ---------------------------------------------------------------------------------
+    def state(self, rank: int) -> RankState:
+        return self._ranks[rank].state
+
+    def is_alive(self, rank: int) -> bool:
+        return self._ranks[rank].state is RankState.ALIVE
+
+    def alive(self) -> list[int]:
+        """Ranks that joined and have neither died nor exited, ascending."""
+        return [r for r, s in enumerate(self._ranks) if s.state is RankState.ALIVE]
+
+    def alive_mask(self) -> list[bool]:
+        return [s.state is RankState.ALIVE for s in self._ranks]
+
+    def dead(self) -> list[int]:
+        return [r for r, s in enumerate(self._ranks) if s.state is RankState.DEAD]
+
+    def joined_count(self) -> int:
+        return sum(s.state is not RankState.JOINING for s in self._ranks)
+
+    def last_seen_at(self, rank: int) -> float:
+        return self._ranks[rank].last_seen_at
+
+    def reason(self, rank: int) -> str:
+        return self._ranks[rank].reason
+
+    # transitions -----------------------------------------------------------------------------
+    def join(self, rank: int, now: float) -> None:
+        r = self._ranks[rank]
+        r.state = RankState.ALIVE
+        r.last_seen_at = now
+
+    def seen(self, rank: int, now: float) -> None:
+        """Any frame from ``rank`` arrived at ``now``."""
+        r = self._ranks[rank]
+        if r.state is RankState.ALIVE:
+            r.last_seen_at = max(r.last_seen_at, now)
+
+    def mark_exited(self, rank: int) -> bool:
+        """Latch a clean exit; returns False if the rank was not alive (already dead/exited)."""
+        r = self._ranks[rank]
+        if r.state is not RankState.ALIVE:
+            return False
+        r.state = RankState.EXITED
+        return True
+
+    def declare_dead(self, rank: int, reason: str) -> bool:
+        """Returns True on the alive → dead transition (once); False if already out."""
+        r = self._ranks[rank]
+        if r.state in (RankState.DEAD, RankState.EXITED):
+            return False
+        r.state = RankState.DEAD
+        r.reason = reason
+        return True
+
+    def stale(self, now: float) -> list[int]:
+        """Alive ranks silent for at least the heartbeat timeout, ascending."""
+        # Same expression as next_deadline(): `now - timeout` could round differently and make
+        # a tick at exactly the deadline find nobody stale, re-arming the same instant forever.
+        timeout = self.heartbeat_timeout_s
+        return [
+            r
+            for r, s in enumerate(self._ranks)
+            if s.state is RankState.ALIVE and now >= s.last_seen_at + timeout
+        ]
+
+    def next_deadline(self) -> float | None:
+        """When the earliest alive rank goes stale; None if none is alive."""
+        seen = [s.last_seen_at for s in self._ranks if s.state is RankState.ALIVE]
+        return min(seen) + self.heartbeat_timeout_s if seen else None
+
+
+def unrecoverable_reason(
+    *,
+    world_size: int,
+    dead: int,
+    alive: int,
+    backend: Backend,
+    max_failure: MaxFailure | None,
+) -> tuple[SaveReason, str] | None:
+    """Whether the survivors must stop (flodl-spec.md §6.5), with a human-readable reason.
+
+    Order: ``max_failure`` breach, then the backend floors (collective needs two survivors to
+    have anything to average with — a lone survivor stops; CPU stops with no rank left).
+    """
+    if max_failure is not None:
+        limit = max_failure.limit_for(world_size)
+        if dead >= limit:
+            return (
+                "max_failure_exceeded",
+                f"{dead} of {world_size} ranks dead, max_failure allows fewer than {limit}",
+            )
+    if alive == 0:
+        return ("all_ranks_lost", f"all {world_size} ranks lost")
+    if backend == "collective" and alive < 2 and world_size >= 2:
+        return ("single_survivor", f"only {alive} rank left of {world_size} (collective needs 2)")
+    return None

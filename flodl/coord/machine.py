@@ -1,0 +1,1247 @@
+"""The coordinator: a sans-IO state machine that paces, feeds and averages a training cluster.
+
+Rules (h11's header style: everything that changes coordinator state lives in this package):
+
+1. **No I/O, no clock.** ``handle(input, now)``, ``tick(now)`` and ``next_deadline()`` are the
+   whole interface; ``now`` is monotonic seconds supplied by the shell. The machine returns
+   :mod:`~flodl.coord.effects` as data and never raises for anything a peer sends: a protocol
+   violation evicts that rank with a reason.
+2. **Run phases.** ``FORMING`` (handshakes until every rank joined, or the join timeout) →
+   ``TRAINING`` (dispatch, cycles, epochs) → ``FINAL_EVAL`` (optional) → ``SHUTDOWN`` (waiting
+   for every rank to exit) → ``DONE``. An unrecoverable state jumps to ``SHUTDOWN`` through
+   ShutdownWithSave with a SaveReason.
+3. **Sub-machines and what they see.** :class:`~flodl.coord.liveness.Liveness` sees every
+   frame (refresh), deaths and exits; :class:`~flodl.coord.elche.ElChe` sees one window report
+   per finished cycle; the guard and meta-controller one divergence report per cycle;
+   :class:`~flodl.coord.chunks.EpochWork` (one per open epoch) sees every ``batch`` (advance),
+   every finished cycle (commit) and every death (forfeit); :class:`~flodl.coord.cycle.Cycle`
+   sees triggers, snapshots, acks, reduce completions and deaths; :class:`~flodl.coord.roles.Roles`
+   sees calibrations, deaths and callback results.
+4. **Tick order** (flodl-spec.md §6.1): coordinator heartbeat → formation timeout → stale ranks
+   → reduce stall ceiling. Everything else is event-driven: the count gate is evaluated after
+   every input that can change it, never on a wall-clock trigger.
+
+Commit rule (what "trained exactly once" means): a batch is *committed* when an averaging cycle
+that folded in the rank's parameters finalizes. The rank's done count is snapshotted when it
+enters the reduce (``snapshot_ready``, overwritten by its ``sync_ack``); at finalize, every
+contributor's snapshot is committed. Contributors are the ranks that acked, plus — CPU — the
+ranks the reduce server reported in :class:`~flodl.coord.inputs.ReduceDone` (a rank that died
+after its upload was folded still contributed), or — collective — the members of the session
+the acks were made under. A dead rank's uncommitted work goes back to the pool (progressive) or
+is split among survivors with ``extend_partition`` (whole-epoch partitions); when it died inside
+a pending cycle after snapshotting, that forfeit waits for the finalize, which knows whether its
+window was folded in.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from flodl.config import CoordConfig
+from flodl.coord.chunks import (
+    BatchRange,
+    CoverageReport,
+    EpochWork,
+    chunk_batches,
+    epoch_batches,
+    final_window_alloc,
+    final_window_due,
+    from_samples,
+    partition_ranges,
+    partition_sizes,
+    split_among,
+    to_samples,
+)
+from flodl.coord.cycle import Cycle, Sessions, ranks_to_throttle, should_average
+from flodl.coord.effects import (
+    Alert,
+    Close,
+    Effect,
+    EpochDone,
+    EvalDone,
+    OpenReduce,
+    RankDead,
+    Record,
+    RefusePeer,
+    Reply,
+    RunOver,
+    Send,
+    WriteMeta,
+)
+from flodl.coord.elche import ElChe, ElCheState, WindowReport
+from flodl.coord.guards import ConvergenceGuard, DivergenceReport, make_guard
+from flodl.coord.inputs import ChildExited, Input, PeerLost, ReduceDone
+from flodl.coord.liveness import Liveness, RankState, unrecoverable_reason
+from flodl.coord.meta import MetaController
+from flodl.coord.metrics import (
+    REDUCTIONS,
+    EpochAggregator,
+    ReportScheduler,
+    WindowStats,
+    node_paths,
+    window_records,
+)
+from flodl.coord.roles import CheckpointRetry, Roles
+from flodl.coord.verdicts import ConvergenceAction, NudgeDown, Stable, SuppressGrowth
+from flodl.errors import LocalProtocolError
+from flodl.wire.frames import (
+    PROTOCOL_VERSION,
+    Accept,
+    Batch,
+    Checkpoint,
+    CheckpointResult,
+    CoordFrame,
+    CoordHeartbeat,
+    DeclareDead,
+    EpochAggregated,
+    EpochFnElapsed,
+    EpochPlan,
+    EvalBroadcast,
+    EvalResult,
+    ExecuteEval,
+    Exiting,
+    ExtendPartition,
+    Heartbeat,
+    Hello,
+    Intent,
+    LrUpdate,
+    Metrics,
+    NewSession,
+    RankExited,
+    RankFrame,
+    Reject,
+    RequestParams,
+    ResourceSample,
+    SaveConsensusModel,
+    SaveReason,
+    SetEpochCallbackRole,
+    SetGlobalStep,
+    Shutdown,
+    ShutdownWithSave,
+    SnapshotReady,
+    StartEpoch,
+    SyncAck,
+    SyncNow,
+    Throttle,
+    Update,
+)
+
+__all__ = ["RunPhase", "ResumeState", "Coordinator", "META_SCHEMA_VERSION"]
+
+META_SCHEMA_VERSION = 3
+COORD_HEARTBEAT_S = 1.0
+OVERSHOOT_INITIAL = 3
+
+
+class RunPhase(enum.Enum):
+    FORMING = "forming"
+    TRAINING = "training"
+    FINAL_EVAL = "final_eval"
+    SHUTDOWN = "shutdown"
+    DONE = "done"
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeState:
+    """What a checkpoint meta seeds into a new coordinator (see :mod:`flodl.checkpoint`)."""
+
+    epoch: int
+    global_step: int = 0
+    sync_round: int = 0
+    elche: ElCheState | None = None
+    uncovered: tuple[tuple[int, int], ...] | None = None
+    """Uncovered batch ranges ``(start, stop)`` of the interrupted ``epoch``; ``None``: whole."""
+
+
+@dataclass(slots=True)
+class _RankRun:
+    step: int = 0
+    window: WindowStats = field(default_factory=WindowStats)
+    closed_window: WindowStats | None = None
+    snapshot: dict[int, int] | None = None
+    snapshot_cycle: int = -1
+    ack_session: int = 0
+    device: int | None = None
+
+
+class Coordinator:
+    """The pure coordinator machine.
+
+    Args:
+        config: the run's configuration.
+        rng: the only source of randomness (reserved for tie-breaks and jitter; decisions are
+            deterministic for a given input sequence).
+        resume: state read from a checkpoint meta, or ``None`` for a fresh run.
+        guard: a user convergence guard (overrides the configured one).
+    """
+
+    def __init__(
+        self,
+        config: CoordConfig,
+        rng: random.Random | None = None,
+        *,
+        resume: ResumeState | None = None,
+        guard: ConvergenceGuard | None = None,
+    ) -> None:
+        self.config = config
+        self.rng = rng if rng is not None else random.Random(0)
+        w = config.world_size
+        self.world_size = w
+        el = config.elche
+        self.policy = el.policy
+        self.backend = el.backend
+        self.progressive = config.progressive
+        self.phase = RunPhase.FORMING
+        self.liveness = Liveness(w, config.heartbeat_timeout_s)
+        self.elche = ElChe(
+            w,
+            anchor=el.anchor,
+            max_anchor=el.effective_max_anchor,
+            min_anchor=el.min_anchor,
+            overhead_target=el.effective_overhead_target,
+            max_batch_diff=el.max_batch_diff,
+            window_growth_applicable=el.policy != "sync",
+        )
+        if el.partition_ratios is not None:
+            self.elche.with_partition_ratios(el.partition_ratios)
+        if guard is None and el.convergence_guard == "msf":
+            from flodl.coord.guards import MsfGuard
+
+            guard = MsfGuard()
+        self.guard = make_guard(
+            convergence_guard=guard,
+            no_divergence_guard=el.no_divergence_guard or el.convergence_guard == "none",
+            divergence_threshold=el.divergence_threshold,
+            easgd_alpha=el.easgd_alpha,
+        )
+        self.meta_controller = MetaController() if el.meta_controller else None
+        self.cycle = Cycle(needs_reduce_done=self.backend == "cpu")
+        self.sessions = Sessions(session=0, members=tuple(range(w)))
+        self.roles = Roles(config.epoch_callback_policy)
+        self.aggregator = EpochAggregator(w)
+        self.reports = ReportScheduler(config.reports_per_epoch)
+        self.paths = node_paths(w, config.hosts)
+        self.ranks = [_RankRun() for _ in range(w)]
+        self.works: dict[int, EpochWork] = {}
+        self.epoch_started_at: dict[int, float] = {}
+        self.final_plans: dict[int, tuple[tuple[tuple[int, ...], tuple[bool, ...]], list[int]]] = {}
+        self.last_progress_at = 0.0
+        self.next_epoch = 0
+        self.last_aggregated = -1
+        self.global_step = 0
+        self.sync_rounds = 0
+        self.prev_sync_ms = 0.0
+        self.last_lr: float | None = None
+        self.last_d_raw: float | None = None
+        self.signature: str | None = None
+        self.throttled: set[int] = set()
+        self.deferred_forfeit: set[int] = set()
+        self.intents: set[str] = set()
+        self.checkpoints: dict[int, CheckpointRetry] = {}
+        self.final_eval_epoch: int | None = None
+        self.save_reason: SaveReason | None = None
+        self.max_overshoot = el.max_overshoot if el.max_overshoot is not None else OVERSHOOT_INITIAL
+        self.coverage_log: dict[int, CoverageReport] = {}
+        self._join_deadline_at: float | None = None
+        self._heartbeat_at: float | None = None
+        self._started = False
+        self._run_over = False
+        if resume is not None:
+            self._seed_resume(resume)
+
+    # =========================================================================================
+    # Public interface
+    # =========================================================================================
+
+    def handle(self, event: RankFrame | Input, now: float) -> list[Effect]:
+        """Apply one input received at monotonic ``now`` (seconds); return the effects."""
+        out: list[Effect] = []
+        self._arm_clocks(now)
+        match event:
+            case Hello():
+                self._on_hello(event, now, out)
+            case PeerLost(rank=rank, reason=reason):
+                if self._in_range(rank):
+                    self._on_gone(rank, f"connection lost: {reason}", now, out)
+            case ChildExited(rank=rank, exit_code=code) | RankExited(rank=rank, exit_code=code):
+                if self._in_range(rank):
+                    self._on_gone(rank, f"process exited with code {code}", now, out)
+            case ReduceDone():
+                self._on_reduce_done(event, now, out)
+            case _:
+                self._on_rank_frame(event, now, out)
+        return out
+
+    def tick(self, now: float) -> list[Effect]:
+        """Fire every deadline ≤ ``now``: heartbeats, formation timeout, stale ranks, stall."""
+        out: list[Effect] = []
+        self._arm_clocks(now)
+        if self.phase is RunPhase.DONE:
+            return out
+        if self._heartbeat_at is not None and now >= self._heartbeat_at:
+            for r in self.liveness.alive():
+                out.append(Send(r, CoordHeartbeat()))
+            self._heartbeat_at = now + COORD_HEARTBEAT_S
+        if (
+            self.phase is RunPhase.FORMING
+            and self._join_deadline_at is not None
+            and now >= self._join_deadline_at
+        ):
+            missing = [
+                r for r in range(self.world_size) if self.liveness.state(r) is RankState.JOINING
+            ]
+            self._finish_run(
+                out, ok=False, reason=f"formation timeout: ranks {missing} never joined"
+            )
+            return out
+        for r in self.liveness.stale(now):
+            timeout = self.liveness.heartbeat_timeout_s
+            self._declare_dead(r, f"no frame for {timeout:g} s (heartbeat timeout)", now, out)
+        progress_at = self._progress_deadline()
+        if progress_at is not None and now >= progress_at:
+            detail = (
+                f"no training progress for {now - self.last_progress_at:.0f} s (ceiling "
+                f"{self.config.stall_ceiling_s:g} s): the cohort is wedged"
+            )
+            out.append(Alert("reduce_stall", "root", detail, "critical"))
+            self._shutdown_with_save("reduce_stall", detail, out)
+        stall_at = self.cycle.stall_deadline(self.config.stall_ceiling_s)
+        if stall_at is not None and now >= stall_at and self.save_reason is None:
+            waiting = sorted(self.cycle.expected - set(self.cycle.acked))
+            detail = (
+                f"averaging cycle {self.cycle.number} pending for "
+                f"{now - self.cycle.pending_since_at:.0f} s (ceiling "
+                f"{self.config.stall_ceiling_s:g} s); waiting for ranks {waiting}"
+            )
+            out.append(Alert("reduce_stall", "root", detail, "critical"))
+            self._shutdown_with_save("reduce_stall", detail, out)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """Earliest ``now`` at which :meth:`tick` can change anything; None if nothing armed."""
+        if self.phase is RunPhase.DONE:
+            return None
+        candidates = [self._heartbeat_at, self.liveness.next_deadline()]
+        if self.phase is RunPhase.FORMING:
+            candidates.append(self._join_deadline_at)
+        if self.save_reason is None:
+            candidates.append(self.cycle.stall_deadline(self.config.stall_ceiling_s))
+            candidates.append(self._progress_deadline())
+        present = [c for c in candidates if c is not None]
+        return min(present) if present else None
+
+    def _progress_deadline(self) -> float | None:
+        """Safety net against a wedged cohort (no batch and no finalized cycle for the stall
+        ceiling while training, outside a pending cycle, which has its own ceiling)."""
+        if self.phase is not RunPhase.TRAINING or self.cycle.pending or self.save_reason:
+            return None
+        return self.last_progress_at + self.config.stall_ceiling_s
+
+    # --- read-only views used by shells, the simulator and tests -----------------------------
+
+    @property
+    def done(self) -> bool:
+        return self.phase is RunPhase.DONE
+
+    def coverage(self, epoch: int) -> CoverageReport | None:
+        """The coverage report of a finished epoch (checked when it closed), or of an open one."""
+        if epoch in self.works:
+            return self.works[epoch].coverage_report()
+        return self.coverage_log.get(epoch)
+
+    def in_flight(self, rank: int) -> int:
+        return sum(w.in_flight(rank) for w in self.works.values())
+
+    def meta_record(self, reason: SaveReason | str) -> dict[str, Any]:
+        """The checkpoint meta (flodl-spec.md §8) as JSON-ready data."""
+        state = self.elche.to_state()
+        history = self.guard.trend_history()
+        elche_state = state.to_dict()
+        elche_state["trend_history"] = history
+        epochs = sorted(self.works)
+        epoch = epochs[0] if epochs else min(self.next_epoch, self.config.total_epochs)
+        return {
+            "schema_version": META_SCHEMA_VERSION,
+            "epoch": epoch,
+            "global_step": self.global_step,
+            "sync_round": self.sync_rounds,
+            "world_size_at_save": self.world_size,
+            "save_reason": reason,
+            "elche_state": elche_state,
+            "coverage": {
+                "seed": self.config.seed,
+                "epoch_splits": self.config.epoch_splits,
+                "batch_size": self.config.batch_size,
+                "per_epoch": [
+                    {
+                        "epoch": e,
+                        "total_samples": self.works[e].total_batches * self.config.batch_size,
+                        "uncovered_ranges": [
+                            list(to_samples(r, self.config.batch_size))
+                            for r in self.works[e].uncovered_ranges()
+                        ],
+                    }
+                    for e in epochs
+                ],
+            },
+        }
+
+    # =========================================================================================
+    # Handshake and membership
+    # =========================================================================================
+
+    def _on_hello(self, hello: Hello, now: float, out: list[Effect]) -> None:
+        reason = self._refusal(hello)
+        if reason is not None:
+            out.append(Reply(Reject(reason=reason)))
+            out.append(RefusePeer(reason))
+            return
+        out.append(
+            Reply(
+                Accept(
+                    run_id=self.config.run_id,
+                    rank=hello.rank,
+                    world_size=self.world_size,
+                    session=self.sessions.session,
+                    heartbeat_timeout_s=self.config.heartbeat_timeout_s,
+                )
+            )
+        )
+        if hello.role == "supervisor":
+            return
+        if self.signature is None:
+            self.signature = hello.model_signature
+        self.liveness.join(hello.rank, now)
+        if self.liveness.joined_count() == self.world_size:
+            self._begin_training(now, out)
+
+    def _refusal(self, hello: Hello) -> str | None:
+        if hello.protocol != PROTOCOL_VERSION:
+            return (
+                f"protocol {hello.protocol} not supported (coordinator speaks {PROTOCOL_VERSION})"
+            )
+        if hello.run_id != self.config.run_id:
+            return f"run id {hello.run_id!r} does not match this run ({self.config.run_id!r})"
+        if hello.world_size != self.world_size:
+            return f"world size {hello.world_size} does not match this run ({self.world_size})"
+        if hello.rank >= self.world_size:
+            return f"rank {hello.rank} out of range for world size {self.world_size}"
+        if hello.role == "supervisor":
+            return None
+        state = self.liveness.state(hello.rank)
+        if state is RankState.ALIVE:
+            return f"rank {hello.rank} is already connected (duplicate rank)"
+        if state is RankState.DEAD:
+            return f"rank {hello.rank} was declared dead; ranks cannot rejoin a run"
+        if state is RankState.EXITED:
+            return f"rank {hello.rank} already finished"
+        if self.phase is not RunPhase.FORMING:
+            return "the run is no longer forming"
+        if self.signature is not None and hello.model_signature != self.signature:
+            return (
+                f"model signature {hello.model_signature[:12]}… differs from the first rank's "
+                f"{self.signature[:12]}… (a different model or dtype)"
+            )
+        return None
+
+    def _in_range(self, rank: int) -> bool:
+        return 0 <= rank < self.world_size
+
+    def _on_gone(self, rank: int, reason: str, now: float, out: list[Effect]) -> None:
+        state = self.liveness.state(rank)
+        if state is RankState.ALIVE:
+            self._declare_dead(rank, reason, now, out)
+
+    # =========================================================================================
+    # Rank frames
+    # =========================================================================================
+
+    def _on_rank_frame(self, frame: RankFrame, now: float, out: list[Effect]) -> None:
+        rank = frame.rank
+        if not self._in_range(rank) or not self.liveness.is_alive(rank):
+            return  # late frames from a dead or finished rank change nothing
+        self.liveness.seen(rank, now)
+        try:
+            match frame:
+                case Heartbeat():
+                    return
+                case Batch():
+                    self._on_batch(frame, now, out)
+                case SnapshotReady():
+                    self._on_snapshot(frame)
+                case SyncAck():
+                    self._on_ack(frame, now, out)
+                case Metrics():
+                    self.aggregator.add(frame)
+                case LrUpdate():
+                    if self.last_lr is None or rank == min(self.liveness.alive()):
+                        self.last_lr = frame.lr
+                case Intent():
+                    self.intents.add(frame.intent)
+                case EvalResult():
+                    self._on_eval_result(frame, now, out)
+                case CheckpointResult():
+                    self._on_checkpoint_result(frame, out)
+                case EpochFnElapsed():
+                    self.roles.observe_cost("epoch_fn", rank, frame.elapsed_ms)
+                    self.ranks[rank].window.absorb_callback(frame.elapsed_ms)
+                case ResourceSample():
+                    out.append(Record(self.paths[rank], "resource", frame.model_dump()))
+                case Exiting():
+                    self._on_exiting(rank, now, out)
+                case _:
+                    return
+        except LocalProtocolError as exc:
+            self._declare_dead(rank, f"protocol violation: {exc}", now, out)
+
+    def _on_batch(self, batch: Batch, now: float, out: list[Effect]) -> None:
+        rank = batch.rank
+        work = self.works.get(batch.epoch)
+        if work is None or work.in_flight(rank) == 0:
+            raise LocalProtocolError(
+                f"rank {rank} trained a batch of epoch {batch.epoch} it was not given", rank=rank
+            )
+        work.advance(rank)
+        self.last_progress_at = now
+        run = self.ranks[rank]
+        run.step = max(run.step, batch.step)
+        run.window.add(batch.batch_ms, batch.data_ms, batch.loss, self.config.batch_size)
+        if self.backend == "cpu" and not self.cycle.pending:
+            for r in ranks_to_throttle(
+                alive=self.liveness.alive(),
+                window_steps=self._window_steps(),
+                max_batch_diff=self.config.elche.max_batch_diff,
+                already=self.throttled,
+            ):
+                self.throttled.add(r)
+                out.append(Send(r, Throttle()))
+        if self.progressive and work.in_flight(rank) == 0:
+            self._dispatch(rank, now, out)
+        self._maybe_trigger(now, out)
+
+    def _on_snapshot(self, frame: SnapshotReady) -> None:
+        if self.cycle.pending and frame.cycle == self.cycle.number:
+            run = self.ranks[frame.rank]
+            run.snapshot = {e: w.done(frame.rank) for e, w in self.works.items()}
+            run.snapshot_cycle = frame.cycle
+
+    def _on_ack(self, ack: SyncAck, now: float, out: list[Effect]) -> None:
+        if not self.cycle.pending or ack.cycle != self.cycle.number:
+            return
+        run = self.ranks[ack.rank]
+        run.snapshot = {e: w.done(ack.rank) for e, w in self.works.items()}
+        run.snapshot_cycle = ack.cycle
+        run.ack_session = ack.session
+        run.closed_window = run.window
+        run.window = WindowStats()
+        self._pending_divergence[ack.rank] = (ack.divergence, ack.pre_norm, ack.post_norm)
+        if self.cycle.ack(ack.rank, ack.step):
+            self._maybe_finalize(now, out)
+
+    def _on_reduce_done(self, event: ReduceDone, now: float, out: list[Effect]) -> None:
+        if self.cycle.pending and event.cycle == self.cycle.number:
+            self.cycle.mark_reduce_done(event.contributors, event.weight_total)
+            self._maybe_finalize(now, out)
+
+    def _on_exiting(self, rank: int, now: float, out: list[Effect]) -> None:
+        if self.phase is RunPhase.SHUTDOWN:
+            self.liveness.mark_exited(rank)
+            self._maybe_done(out)
+        else:
+            self._declare_dead(rank, "rank exited before the run ended", now, out)
+
+    # =========================================================================================
+    # Training: epochs and dispatch
+    # =========================================================================================
+
+    def _begin_training(self, now: float, out: list[Effect]) -> None:
+        self.phase = RunPhase.TRAINING
+        self.last_progress_at = now
+        self._started = True
+        self._pending_divergence: dict[int, tuple[float | None, float | None, float | None]] = {}
+        if self.backend == "cpu":
+            out.append(OpenReduce(0, tuple(self.liveness.alive())))
+        self._advance_epochs(now, out)
+
+    def _epoch_batches(self, epoch: int) -> int:
+        c = self.config
+        return epoch_batches(epoch, c.index_space, c.batch_size, c.epoch_splits)
+
+    def _open_epoch(self, epoch: int, now: float, out: list[Effect]) -> EpochWork:
+        work = self.works.get(epoch)
+        if work is not None:
+            return work
+        uncovered = self._resume_uncovered if epoch == self._resume_epoch else None
+        work = EpochWork(epoch, self._epoch_batches(epoch), self.world_size, uncovered=uncovered)
+        self.works[epoch] = work
+        self.epoch_started_at[epoch] = now
+        self.next_epoch = max(self.next_epoch, epoch + 1)
+        self.elche.set_max_total_batches(max(1, work.total_batches))
+        self._send_roles_if_dirty(out)
+        self._epoch_boundary_callbacks(epoch, out)
+        if not self.progressive:
+            alive = self.liveness.alive_mask()
+            calibrated = self.elche.calibrated or self.elche.has_speed_hint()
+            sizes = partition_sizes(
+                work.remaining(),
+                self.world_size,
+                alive=alive,
+                ms_per_batch=self.elche.smoothed_ms if calibrated else None,
+                ratios=self.config.elche.partition_ratios,
+                proportional=self.policy != "sync" and calibrated,
+            )
+            pieces = _carve(work.unassigned_ranges(), sizes)
+            for rank, ranges in enumerate(pieces):
+                for rng in ranges:
+                    work.assign(rank, rng)
+                    out.append(Send(rank, StartEpoch(plan=self._plan(epoch, rng))))
+        return work
+
+    def _plan(self, epoch: int, rng: BatchRange) -> EpochPlan:
+        offset, size = to_samples(rng, self.config.batch_size)
+        return EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size)
+
+    def _advance_epochs(self, now: float, out: list[Effect]) -> None:
+        """Close finished epochs in order, open the next one, dispatch, or end the run."""
+        while self.phase is RunPhase.TRAINING:
+            if self.works:
+                first = min(self.works)
+                if not self.works[first].is_done():
+                    break
+                self._close_epoch(first, now, out)
+                continue
+            if self.next_epoch >= self.config.total_epochs:
+                self._end_of_training(now, out)
+                return
+            self._open_epoch(self.next_epoch, now, out)
+        if self.phase is not RunPhase.TRAINING:
+            return
+        if self.progressive:
+            for r in self.liveness.alive():
+                self._dispatch(r, now, out)
+        self._maybe_trigger(now, out)
+
+    def _dispatch(self, rank: int, now: float, out: list[Effect]) -> EpochPlan | None:
+        """Give ``rank`` its next progressive chunk if the pacing rules allow; the plan is also
+        returned so a CPU Cadence finalize can fold it into ``update``."""
+        plan = self._take_chunk(rank, now, out)
+        if plan is not None:
+            out.append(Send(rank, StartEpoch(plan=plan)))
+        return plan
+
+    def _take_chunk(self, rank: int, now: float, out: list[Effect]) -> EpochPlan | None:
+        if self.phase is not RunPhase.TRAINING or not self.liveness.is_alive(rank):
+            return None
+        barrier = self.config.elche.barrier_paced
+        if barrier and (self.cycle.pending or self.in_flight(rank) > 0):
+            return None
+        # Work already handed out counts against the window budget: without this an Async
+        # rank would pile up a chunk per finalize and the overshoot bound would not hold.
+        steps = self.ranks[rank].window.steps + self.in_flight(rank)
+        count = max(1, self.elche.batch_counts[rank])
+        overshoot = self.max_overshoot if self.policy == "async" else 0
+        if steps >= count + overshoot:
+            return None
+        work = next((w for e, w in sorted(self.works.items()) if w.remaining() > 0), None)
+        if work is None:
+            if barrier or self.next_epoch >= self.config.total_epochs:
+                return None
+            work = self._open_epoch(self.next_epoch, now, out)
+            if work.remaining() == 0:
+                return None
+        alive = self.liveness.alive_mask()
+        counts = [
+            max(1, c) if a else 0 for c, a in zip(self.elche.batch_counts, alive, strict=True)
+        ]
+        final_slot = self._final_slot(work, rank, counts, alive) if barrier else None
+        size = chunk_batches(
+            policy=self.policy,
+            count=count,
+            steps_in_window=steps,
+            remaining=work.remaining(),
+            sum_counts=sum(counts),
+            final_slot=final_slot,
+            max_overshoot=overshoot,
+            calibrated=self.elche.calibrated or self.elche.has_speed_hint(),
+            world_size=self.world_size,
+            total_batches=work.total_batches,
+        )
+        if size <= 0:
+            return None
+        rng = work.take(rank, size)
+        if rng is None:
+            return None
+        if final_slot is not None:
+            self.final_plans[work.epoch][1][rank] = max(0, final_slot - rng.size)
+        return self._plan(work.epoch, rng)
+
+    def _final_slot(
+        self, work: EpochWork, rank: int, counts: list[int], alive: list[bool]
+    ) -> int | None:
+        key = (tuple(counts), tuple(alive))
+        pinned = self.final_plans.get(work.epoch)
+        if pinned is None or pinned[0] != key:  # pinned once per (epoch, counts, cohort)
+            rem = work.remaining()
+            if not final_window_due(rem, counts, alive):
+                return None
+            pinned = (key, final_window_alloc(rem, counts, alive))
+            self.final_plans[work.epoch] = pinned
+        return pinned[1][rank]
+
+    def _close_epoch(self, epoch: int, now: float, out: list[Effect]) -> None:
+        work = self.works.pop(epoch)
+        report = work.coverage_report()
+        self.coverage_log[epoch] = report
+        if not report.ok:
+            out.append(
+                Alert("coverage", "root", f"epoch {epoch} coverage broken: {report}", "critical")
+            )
+        self.final_plans.pop(epoch, None)
+        self.last_aggregated = epoch
+        started = self.epoch_started_at.pop(epoch, now)
+        metrics = self.aggregator.finish(
+            epoch,
+            epoch_ms=max(0.0, (now - started) * 1000.0),
+            batch_share=self.elche.recent_batch_share(),
+            syncs=self.sync_rounds,
+            anchor=self.elche.anchor,
+            devices=[r.device for r in self.ranks],
+        )
+        out.append(EpochDone(metrics))
+        for r in self.liveness.alive():
+            out.append(Send(r, EpochAggregated(metrics=metrics)))
+        out.append(Record("root", "epoch", {"epoch": epoch, "avg_loss": metrics.avg_loss}))
+
+    def _epoch_boundary_callbacks(self, epoch: int, out: list[Effect]) -> None:
+        """Checkpoint and eval for the epoch that just ended (``epoch - 1``), dispatched before
+        the first ``start_epoch`` of ``epoch`` so the role rank runs them in FIFO order."""
+        done = epoch - 1
+        if done < 0:
+            return
+        self._maybe_checkpoint(done, out)
+        self._maybe_eval(done, out)
+
+    def _checkpoint_due(self, epoch: int) -> bool:
+        c = self.config
+        every = c.checkpoint_every is not None and (epoch + 1) % c.checkpoint_every == 0
+        return every or c.checkpoint_at_epoch == epoch or "checkpoint_now" in self.intents
+
+    def _maybe_checkpoint(self, epoch: int, out: list[Effect]) -> None:
+        if not self._checkpoint_due(epoch):
+            return
+        self.intents.discard("checkpoint_now")
+        target = self.roles.checkpoint_role
+        if not self.liveness.is_alive(target):
+            alive = self.liveness.alive()
+            if not alive:
+                return
+            target = alive[0]
+        if self.config.has_checkpoint_fn:
+            retry = CheckpointRetry(version=epoch)
+            retry.first(target)
+            self.checkpoints[epoch] = retry
+            out.append(Send(target, Checkpoint(version=epoch, target_rank=target)))
+        out.append(Send(target, SaveConsensusModel(target_rank=target, version=epoch)))
+        out.append(
+            WriteMeta(self.meta_record("graceful_shutdown"), f"checkpoint after epoch {epoch}")
+        )
+
+    def _eval_due(self, epoch: int) -> bool:
+        every = self.config.effective_eval_every
+        due = every is not None and (epoch + 1) % every == 0
+        return (due or "eval_now" in self.intents) and self.config.has_eval
+
+    def _maybe_eval(self, epoch: int, out: list[Effect], *, final: bool = False) -> bool:
+        if not (final or self._eval_due(epoch)):
+            return False
+        self.intents.discard("eval_now")
+        target = self.roles.eval_role
+        if not self.liveness.is_alive(target):
+            return False
+        out.append(
+            Send(
+                target,
+                ExecuteEval(
+                    schedule_id=epoch,
+                    epoch=epoch,
+                    target_rank=target,
+                    adopt_consensus=self.policy == "async",
+                ),
+            )
+        )
+        return True
+
+    def _end_of_training(self, now: float, out: list[Effect]) -> None:
+        final = self.config.total_epochs
+        if self.config.has_eval and self._maybe_eval(final, out, final=True):
+            self.phase = RunPhase.FINAL_EVAL
+            self.final_eval_epoch = final
+            return
+        self._begin_shutdown(out)
+
+    def _begin_shutdown(self, out: list[Effect]) -> None:
+        self.phase = RunPhase.SHUTDOWN
+        out.append(WriteMeta(self.meta_record("graceful_shutdown"), "end of run"))
+        for r in self.liveness.alive():
+            out.append(Send(r, Shutdown()))
+        self._maybe_done(out)
+
+    def _maybe_done(self, out: list[Effect]) -> None:
+        if self.phase is RunPhase.SHUTDOWN and not self.liveness.alive():
+            ok = self.save_reason is None
+            reason = "run complete" if ok else f"run stopped: {self.save_reason}"
+            self._finish_run(out, ok=ok, reason=reason)
+
+    def _finish_run(self, out: list[Effect], *, ok: bool, reason: str) -> None:
+        if self._run_over:
+            return
+        self._run_over = True
+        if self.phase is RunPhase.FORMING:
+            for r in self.liveness.alive():
+                out.append(Send(r, Shutdown()))
+        self.phase = RunPhase.DONE
+        out.append(RunOver(ok=ok, reason=reason, save_reason=self.save_reason))
+
+    # =========================================================================================
+    # Averaging cycles
+    # =========================================================================================
+
+    def _window_steps(self) -> list[int]:
+        return [r.window.steps for r in self.ranks]
+
+    def _maybe_trigger(self, now: float, out: list[Effect]) -> None:
+        if self.phase is not RunPhase.TRAINING or self.cycle.pending:
+            return
+        alive = self.liveness.alive()
+        quiesced = [self.in_flight(r) == 0 for r in range(self.world_size)]
+        counts = [max(1, c) for c in self.elche.batch_counts]
+        if not should_average(
+            policy=self.policy,
+            alive=alive,
+            window_steps=self._window_steps(),
+            counts=counts,
+            quiesced=quiesced,
+        ):
+            return
+        number = self.cycle.begin(alive, now)
+        self.throttled.clear()
+        self._pending_divergence = {}
+        if self.backend == "cpu":
+            out.append(OpenReduce(number, tuple(alive)))
+            for r in alive:
+                out.append(Send(r, RequestParams(cycle=number)))
+                if self.policy == "sync":
+                    out.append(Send(r, Throttle()))
+        else:
+            for r in alive:
+                out.append(Send(r, SyncNow(cycle=number)))
+
+    def _maybe_finalize(self, now: float, out: list[Effect]) -> None:
+        if not self.cycle.ready():
+            return
+        number = self.cycle.number
+        self.last_progress_at = now
+        try:
+            self._finalize(now, out)
+        finally:
+            self.cycle.finish()  # never fold a round twice, even if finalizing failed
+        self._release(number, now, out)
+        self._advance_epochs(now, out)
+
+    def _release(self, number: int, now: float, out: list[Effect]) -> None:
+        """Tell live ranks the cycle is over: ``update`` (CPU; in Cadence with the next
+        intra-epoch chunk folded in, saving a round trip) and the new global step."""
+        fold = self.backend == "cpu" and self.policy == "cadence" and self.progressive
+        for r in self.liveness.alive():
+            if self.backend == "cpu":
+                plan = None
+                if fold and any(w.remaining() > 0 for w in self.works.values()):
+                    plan = self._take_chunk(r, now, out)
+                out.append(Send(r, Update(version=number, next_plan=plan)))
+            out.append(Send(r, SetGlobalStep(global_step=self.global_step)))
+
+    def _contributors(self) -> set[int]:
+        acked = set(self.cycle.acked)
+        if self.backend == "cpu" and self.cycle.contributors is not None:
+            return acked | set(self.cycle.contributors)
+        sessions = {self.ranks[r].ack_session for r in acked}
+        if sessions == {self.sessions.session}:
+            return acked | set(self.sessions.members)
+        return acked
+
+    def _finalize(self, now: float, out: list[Effect]) -> None:
+        number = self.cycle.number
+        sync_ms = max(0.0, (now - self.cycle.pending_since_at) * 1000.0)
+        contributors = self._contributors()
+        # 1. commit contributors' snapshots; settle deferred forfeits.
+        for r in sorted(contributors):
+            run = self.ranks[r]
+            if run.snapshot_cycle == number and run.snapshot is not None:
+                for e, done in run.snapshot.items():
+                    if e in self.works:
+                        self.works[e].commit_upto(r, min(done, self.works[e].done(r)))
+        for r in sorted(self.deferred_forfeit):
+            self._forfeit(r, now, out)
+        self.deferred_forfeit.clear()
+        # 2. ElChe feedback from the closed windows.
+        windows = [
+            r.closed_window if r.closed_window is not None else WindowStats() for r in self.ranks
+        ]
+        steps = [w.steps for w in windows]
+        self._stage_callback_slack()
+        was_calibrated = self.elche.calibrated
+        self.elche.report_window(
+            _window_report(windows, self.liveness.alive_mask(), self.prev_sync_ms),
+            delivered_capable=self.policy != "sync",
+        )
+        if self.elche.calibrated and not was_calibrated:
+            why = self.roles.on_first_calibration(self.liveness.alive(), self.elche.smoothed_ms)
+            if why:
+                out.append(Record("root", "event", {"roles": why}))
+        # 3. Guard + meta-controller through the verdict seam.
+        action = self._guard_action(steps)
+        old_anchor = self.elche.anchor
+        if isinstance(action, Stable):
+            self.elche.apply_verdict(
+                Stable(relax_up=self.policy == "async" and self.config.elche.relax_up)
+            )
+            if self.config.elche.max_overshoot is None and self.policy == "async":
+                cap = min(10, max(3, self._epoch_batches(0) // 50))
+                self.max_overshoot = min(cap, self.max_overshoot + 1)
+        else:
+            self.elche.apply_verdict(action)
+            if self.config.elche.max_overshoot is None:
+                self.max_overshoot = OVERSHOOT_INITIAL
+            if isinstance(action, NudgeDown):
+                out.append(
+                    Alert("drift", "root", f"guard nudged the anchor down ×{action.factor:g}")
+                )
+        if self.meta_controller is not None:
+            nudge = self.meta_controller.observe(
+                self.last_lr, self.elche.anchor, action, self.elche.phase
+            )
+            if nudge is not None:
+                self.elche.apply_verdict(nudge)
+        # 4. Counters, global step, records.
+        self.sync_rounds += 1
+        self.prev_sync_ms = sync_ms
+        self.global_step += sum(steps)
+        for r in self.liveness.alive():
+            run = self.ranks[r]
+            run.closed_window = None
+        if self.elche.anchor != old_anchor:
+            out.append(Record("root", "anchor", {"from": old_anchor, "to": self.elche.anchor}))
+        self._maybe_report(windows, sync_ms, out)
+
+    def _guard_action(self, steps: Sequence[int]) -> ConvergenceAction:
+        if self.policy == "sync":
+            return Stable()
+        deltas = []
+        pre_norms: list[float] = []
+        post: float | None = None
+        for r in sorted(self._pending_divergence):
+            d, pre, post_norm = self._pending_divergence[r]
+            if d is not None:
+                deltas.append(d)
+                if pre is not None:
+                    pre_norms.append(pre)
+                if post_norm is not None:
+                    post = post_norm
+        if not deltas:
+            return Stable()
+        report = DivergenceReport(
+            deltas=tuple(deltas),
+            pre_norms=tuple(pre_norms) if len(pre_norms) == len(deltas) else None,
+            post_norm=post,
+        )
+        self.last_d_raw = report.d_raw
+        return self.guard.report(report, sum(steps), max(steps, default=0))
+
+    def _stage_callback_slack(self) -> None:
+        """Pre-shrink the role rank's quota when the next window is the epoch's last
+        (flodl-spec.md §2.8), so a callback runs in freed slack instead of stretching the
+        barrier."""
+        if not self.elche.calibrated or not self.works:
+            return
+        work = self.works[min(self.works)]
+        if work.remaining() > self.elche.total_batches:
+            return
+        slack = [0.0] * self.world_size
+        epoch = work.epoch
+        if self.config.has_epoch_fn:
+            r = self.roles.epoch_callback_role
+            slack[r] += self.roles.cost("epoch_fn", r)
+        if self.config.has_checkpoint_fn and self._checkpoint_due(epoch):
+            r = self.roles.checkpoint_role
+            slack[r] += self.roles.cost("checkpoint", r)
+        if self._eval_due(epoch):
+            r = self.roles.eval_role
+            slack[r] += self.roles.cost("eval", r)
+        floor = max(0.05 * self.elche.anchor_wall_ms(), 100.0)
+        slack = [
+            s if s >= floor and self.liveness.is_alive(r) else 0.0 for r, s in enumerate(slack)
+        ]
+        if any(slack):
+            self.elche.apply_callback_slack(slack)
+
+    def _maybe_report(
+        self, windows: Sequence[WindowStats], sync_ms: float, out: list[Effect]
+    ) -> None:
+        if self.config.reports_per_epoch is None or not self.works:
+            return
+        work = self.works[min(self.works)]
+        committed = sum(work.committed(r) for r in range(self.world_size))
+        if not self.reports.due(work.epoch, committed, work.total_batches):
+            return
+        shares = self.elche.recent_batch_share()
+        nodes = {r: windows[r].node(shares[r]) for r in range(self.world_size)}
+        engine: dict[str, Any] = {
+            "epoch": work.epoch,
+            "anchor": self.elche.anchor,
+            "sync_ms": sync_ms,
+            "batch_counts": self.elche.batch_counts,
+            "syncs": self.sync_rounds,
+        }
+        if self.last_d_raw is not None:
+            engine["d_raw"] = self.last_d_raw
+        telemetry = self.guard.telemetry()
+        if "lambda_ema" in telemetry:
+            engine["lambda_ema"] = telemetry["lambda_ema"]
+        for path, node in window_records(nodes, self.paths, engine):
+            out.append(Record(path, "node", node))
+
+    # =========================================================================================
+    # Deaths
+    # =========================================================================================
+
+    def _declare_dead(self, rank: int, reason: str, now: float, out: list[Effect]) -> None:
+        if not self.liveness.declare_dead(rank, reason):
+            return
+        out.append(RankDead(rank, reason))
+        out.append(Close(rank, reason))
+        out.append(
+            Alert("rank_lost", self.paths[rank], f"rank {rank} declared dead: {reason}", "critical")
+        )
+        if self.phase is RunPhase.FORMING:
+            self._finish_run(out, ok=False, reason=f"rank {rank} lost during formation: {reason}")
+            return
+        if self.phase is RunPhase.SHUTDOWN:
+            self._maybe_done(out)
+            return
+        self.elche.mark_dead(rank)
+        alive = self.liveness.alive()
+        run = self.ranks[rank]
+        if self.cycle.pending:
+            self.cycle.drop(rank)
+            if run.snapshot_cycle == self.cycle.number:
+                self.deferred_forfeit.add(rank)
+        if rank not in self.deferred_forfeit:
+            self._forfeit(rank, now, out)
+        why = self.roles.on_death(rank, alive, self.elche.smoothed_ms)
+        if why:
+            out.append(Record("root", "event", {"roles": why}))
+        self._failover_checkpoints(rank, alive, out)
+        verdict = unrecoverable_reason(
+            world_size=self.world_size,
+            dead=len(self.liveness.dead()),
+            alive=len(alive),
+            backend=self.backend,
+            max_failure=self.config.max_failure,
+        )
+        if verdict is not None:
+            self._shutdown_with_save(verdict[0], verdict[1], out)
+            return
+        if self.backend == "collective":
+            session, members = self.sessions.reform(alive)
+            for r in alive:
+                out.append(Send(r, DeclareDead(rank=rank, reason=reason)))
+                out.append(
+                    Send(
+                        r,
+                        NewSession(
+                            session=session,
+                            store_prefix=self.sessions.store_prefix(self.config.run_id),
+                            new_rank=self.sessions.new_rank(r),
+                            new_world_size=len(members),
+                            ranks=list(members),
+                        ),
+                    )
+                )
+        self._send_roles_if_dirty(out)
+        if self.phase is RunPhase.FINAL_EVAL and self.final_eval_epoch is not None:
+            if not self._maybe_eval(self.final_eval_epoch, out, final=True):
+                self._begin_shutdown(out)
+            return
+        self._maybe_finalize(now, out)
+        if self.phase is RunPhase.TRAINING:
+            if self.progressive:
+                for r in alive:
+                    if self.in_flight(r) == 0:
+                        self._dispatch(r, now, out)
+            self._maybe_trigger(now, out)
+
+    def _forfeit(self, rank: int, now: float, out: list[Effect]) -> None:
+        alive = self.liveness.alive()
+        for epoch, work in sorted(self.works.items()):
+            returned = work.forfeit(rank)
+            if not returned or self.progressive or not alive:
+                continue
+            for survivor, piece in split_among(returned, alive):
+                work.assign(survivor, piece)
+                offset, size = to_samples(piece, self.config.batch_size)
+                out.append(
+                    Send(
+                        survivor,
+                        ExtendPartition(epoch=epoch, partition_offset=offset, partition_size=size),
+                    )
+                )
+        self.ranks[rank].snapshot = None
+
+    def _failover_checkpoints(self, dead: int, alive: Sequence[int], out: list[Effect]) -> None:
+        for _version, retry in sorted(self.checkpoints.items()):
+            if retry.target == dead:
+                self._retry_checkpoint(retry, alive, f"rank {dead} died", out)
+
+    def _retry_checkpoint(
+        self, retry: CheckpointRetry, alive: Sequence[int], why: str, out: list[Effect]
+    ) -> None:
+        nxt = retry.next_target(alive)
+        if nxt is None:
+            self.checkpoints.pop(retry.version, None)
+            out.append(
+                Alert(
+                    "checkpoint_failed",
+                    "root",
+                    f"checkpoint {retry.version} failed on every live rank ({why})",
+                )
+            )
+            return
+        out.append(Send(nxt, Checkpoint(version=retry.version, target_rank=nxt)))
+
+    def _on_checkpoint_result(self, res: CheckpointResult, out: list[Effect]) -> None:
+        self.roles.observe_cost("checkpoint", res.rank, res.elapsed_ms)
+        self.ranks[res.rank].window.absorb_callback(res.elapsed_ms)
+        retry = self.checkpoints.get(res.version)
+        if retry is None or retry.target != res.rank:
+            return
+        if res.error is None:
+            self.checkpoints.pop(res.version, None)
+            if self.roles.checkpoint_role != res.rank:
+                self.roles.checkpoint_role = res.rank
+            return
+        self._retry_checkpoint(retry, self.liveness.alive(), f"rank {res.rank}: {res.error}", out)
+
+    def _on_eval_result(self, res: EvalResult, now: float, out: list[Effect]) -> None:
+        self.roles.observe_cost("eval", res.rank, res.elapsed_ms)
+        self.ranks[res.rank].window.absorb_callback(res.elapsed_ms)
+        if res.error is None and res.metric is not None:
+            out.append(EvalDone(res.epoch, res.metric))
+            for r in self.liveness.alive():
+                out.append(Send(r, EvalBroadcast(epoch=res.epoch, metric=res.metric)))
+        else:
+            out.append(Alert("eval_failed", self.paths[res.rank], f"eval {res.epoch}: {res.error}"))
+        if self.phase is RunPhase.FINAL_EVAL and res.schedule_id == self.final_eval_epoch:
+            self._begin_shutdown(out)
+
+    def _shutdown_with_save(self, reason: SaveReason, detail: str, out: list[Effect]) -> None:
+        if self.save_reason is not None or self.phase in (RunPhase.SHUTDOWN, RunPhase.DONE):
+            return
+        self.save_reason = reason
+        out.append(WriteMeta(self.meta_record(reason), detail))
+        self.phase = RunPhase.SHUTDOWN
+        for r in self.liveness.alive():
+            out.append(Send(r, ShutdownWithSave(reason=reason, detail=detail[:4096])))
+        out.append(Record("root", "event", {"shutdown_with_save": reason, "detail": detail}))
+        self._maybe_done(out)
+
+    def _send_roles_if_dirty(self, out: list[Effect]) -> None:
+        if not self.roles.dirty:
+            return
+        self.roles.dirty = False
+        frame: CoordFrame = SetEpochCallbackRole(rank=self.roles.epoch_callback_role)
+        for r in self.liveness.alive():
+            out.append(Send(r, frame))
+
+    # =========================================================================================
+    # Clocks and resume
+    # =========================================================================================
+
+    def _arm_clocks(self, now: float) -> None:
+        if self._join_deadline_at is None:
+            self._join_deadline_at = now + self.config.join_timeout_s
+        if self._heartbeat_at is None:
+            self._heartbeat_at = now + COORD_HEARTBEAT_S
+
+    _resume_epoch: int | None = None
+    _resume_uncovered: list[BatchRange] | None = None
+
+    def _seed_resume(self, resume: ResumeState) -> None:
+        if not 0 <= resume.epoch <= self.config.total_epochs:
+            raise LocalProtocolError(
+                f"resume epoch {resume.epoch} outside 0..{self.config.total_epochs}"
+            )
+        self.next_epoch = resume.epoch
+        self.last_aggregated = resume.epoch - 1
+        self.global_step = resume.global_step
+        self.sync_rounds = resume.sync_round
+        if resume.elche is not None:
+            self.elche.restore(resume.elche)
+            history = resume.elche.trend_history
+            restore = getattr(self.guard, "restore_history", None)
+            if history and restore is not None:
+                restore(history)
+            if self.elche.calibrated:
+                self.roles.on_first_calibration(range(self.world_size), self.elche.smoothed_ms)
+        if resume.uncovered is not None:
+            self._resume_epoch = resume.epoch
+            self._resume_uncovered = [BatchRange(a, b) for a, b in resume.uncovered]
+
+
+# =============================================================================================
+# Helpers
+# =============================================================================================
+
+
+def _carve(pool: Sequence[BatchRange], sizes: Sequence[int]) -> list[list[BatchRange]]:
+    from flodl.coord.chunks import carve_ranges
+
+    return carve_ranges(pool, sizes)
+
+
+def _window_report(
+    windows: Sequence[WindowStats], alive: Sequence[bool], sync_ms: float
+) -> WindowReport:
+    delivered_ms: list[float] = []
+    delivered_batches: list[int] = []
+    fill_ms: list[float] = []
+    for w in windows:
+        if w.steps >= 2 and w.first_ms is not None:
+            marginal = w.compute_ms + w.data_ms - w.first_ms
+            per = marginal / (w.steps - 1)
+            delivered_ms.append(max(0.0, marginal))
+            delivered_batches.append(w.steps - 1)
+            fill_ms.append(max(0.0, w.first_ms - per))
+        else:
+            delivered_ms.append(0.0)
+            delivered_batches.append(0)
+            fill_ms.append(0.0)
+    coherent = all(
+        not a or w.steps == 0 or w.steps >= 2 for w, a in zip(windows, alive, strict=True)
+    )
+    return WindowReport(
+        wall_ms=[w.compute_ms for w in windows],
+        steps=[w.steps for w in windows],
+        delivered_ms=delivered_ms,
+        delivered_batches=delivered_batches,
+        fill_ms=fill_ms,
+        delivered_coherent=coherent,
+        sync_ms=sync_ms,
+    )
+
+
+_ = (REDUCTIONS, from_samples, partition_ranges, math, SuppressGrowth)

@@ -1,0 +1,253 @@
+"""Metrics: per-epoch aggregation into :class:`EpochMetrics` and sub-epoch window reports.
+
+Pure module. Rules (flodl-spec.md §6.8, §9.2):
+
+* ranks send one ``metrics`` frame per finished chunk (progressive) or partition (sync); per
+  rank the records are summed; ``avg_loss`` is the batch-weighted mean over ranks; user scalars
+  are a per-rank mean (sum / count) then batch-weighted across ranks; ``epoch_ms`` is the
+  coordinator's wall clock from the epoch's first dispatch to its last commit (ranks' clocks are
+  never compared); per-rank throughput is samples per second of that rank's share time.
+* sub-epoch reports (``reports_per_epoch = n``) fire at the first reduce boundary past each
+  ``1/n`` slice of an epoch's work, at most n per epoch, and build a path-keyed node tree
+  root → host → rank (root → rank on one host). Interior nodes aggregate their *direct
+  children*: ``loss`` work-weighted mean, ``throughput`` sum, ``compute_only_ms`` work-weighted
+  mean, ``data_starve_ms`` max; a metric a rank did not measure is absent, never zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from flodl.wire.frames import EpochMetrics, Metrics
+
+__all__ = [
+    "REDUCTIONS",
+    "RankEpoch",
+    "EpochAggregator",
+    "WindowStats",
+    "ReportScheduler",
+    "node_paths",
+    "window_records",
+]
+
+REDUCTIONS: dict[str, str] = {
+    "loss": "mean",
+    "throughput": "sum",
+    "compute_only_ms": "mean",
+    "data_starve_ms": "max",
+    "batch_share": "sum",
+    "steps": "sum",
+}
+"""Fixed reductions of the framework metrics (user scalars default to ``mean``)."""
+
+
+@dataclass(slots=True)
+class RankEpoch:
+    """One rank's sums over an epoch."""
+
+    loss_sum: float = 0.0
+    batches: int = 0
+    samples: int = 0
+    share_complete_ms: float = 0.0
+    compute_only_ms: float = 0.0
+    data_starve_ms: float = 0.0
+    scalars: dict[str, tuple[float, int]] = field(default_factory=dict)
+
+    def add(self, m: Metrics) -> None:
+        self.loss_sum += m.avg_loss * m.batches_processed
+        self.batches += m.batches_processed
+        self.samples += m.samples_processed
+        self.share_complete_ms += m.share_complete_ms
+        self.compute_only_ms += m.compute_only_ms
+        self.data_starve_ms += m.data_starve_ms
+        for name, (total, count) in m.scalars.items():
+            s, c = self.scalars.get(name, (0.0, 0))
+            self.scalars[name] = (s + total, c + count)
+
+
+class EpochAggregator:
+    """Collects ``metrics`` frames per epoch and builds :class:`EpochMetrics`."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._epochs: dict[int, list[RankEpoch]] = {}
+
+    def add(self, m: Metrics) -> None:
+        per_rank = self._epochs.setdefault(m.epoch, [RankEpoch() for _ in range(self.world_size)])
+        per_rank[m.rank].add(m)
+
+    def finish(
+        self,
+        epoch: int,
+        *,
+        epoch_ms: float,
+        batch_share: Sequence[float],
+        syncs: int,
+        anchor: int,
+        devices: Sequence[int | None] | None = None,
+    ) -> EpochMetrics:
+        """Aggregate and forget ``epoch``."""
+        ranks = self._epochs.pop(epoch, None) or [RankEpoch() for _ in range(self.world_size)]
+        batches = sum(r.batches for r in ranks)
+        avg_loss = sum(r.loss_sum for r in ranks) / batches if batches else 0.0
+        per_rank_scalars = [
+            {k: s / c for k, (s, c) in sorted(r.scalars.items()) if c > 0} for r in ranks
+        ]
+        scalars: dict[str, float] = {}
+        weights: dict[str, int] = {}
+        for r, means in zip(ranks, per_rank_scalars, strict=True):
+            for k, v in means.items():
+                scalars[k] = scalars.get(k, 0.0) + v * r.batches
+                weights[k] = weights.get(k, 0) + r.batches
+        scalars = {
+            k: (v / weights[k] if weights[k] else per_rank_mean(per_rank_scalars, k))
+            for k, v in sorted(scalars.items())
+        }
+        return EpochMetrics(
+            epoch=epoch,
+            avg_loss=avg_loss,
+            epoch_ms=epoch_ms,
+            scalars=scalars,
+            per_rank=per_rank_scalars,
+            per_rank_loss=[r.loss_sum / r.batches if r.batches else None for r in ranks],
+            per_rank_throughput=[
+                1000.0 * r.samples / r.share_complete_ms if r.share_complete_ms > 0 else 0.0
+                for r in ranks
+            ],
+            per_rank_batch_share=list(batch_share),
+            per_rank_samples=[r.samples for r in ranks],
+            per_rank_share_complete_ms=[r.share_complete_ms for r in ranks],
+            per_rank_compute_only_ms=[r.compute_only_ms for r in ranks],
+            per_rank_data_starve_ms=[r.data_starve_ms for r in ranks],
+            device_indices=list(devices) if devices is not None else [None] * self.world_size,
+            syncs=syncs,
+            anchor=anchor,
+        )
+
+
+def per_rank_mean(per_rank: Sequence[dict[str, float]], key: str) -> float:
+    values = [d[key] for d in per_rank if key in d]
+    return sum(values) / len(values) if values else 0.0
+
+
+@dataclass(slots=True)
+class WindowStats:
+    """One rank's accumulators over the current averaging window."""
+
+    steps: int = 0
+    compute_ms: float = 0.0
+    data_ms: float = 0.0
+    loss_sum: float = 0.0
+    first_ms: float | None = None
+    samples: int = 0
+
+    def add(self, batch_ms: float, data_ms: float, loss: float, samples: int) -> None:
+        if self.first_ms is None:
+            self.first_ms = batch_ms + data_ms
+        self.steps += 1
+        self.compute_ms += batch_ms
+        self.data_ms += data_ms
+        self.loss_sum += loss
+        self.samples += samples
+
+    def absorb_callback(self, elapsed_ms: float) -> None:
+        """Callback wall time never counts as compute (flodl-spec.md §2.8)."""
+        self.compute_ms = max(0.0, self.compute_ms - elapsed_ms)
+
+    def node(self, batch_share: float) -> dict[str, float]:
+        """The rank's report node; metrics it did not measure are absent."""
+        if self.steps == 0:
+            return {"batch_share": batch_share, "steps": 0.0}
+        busy = self.compute_ms + self.data_ms
+        out = {
+            "loss": self.loss_sum / self.steps,
+            "compute_only_ms": self.compute_ms / self.steps,
+            "data_starve_ms": self.data_ms,
+            "batch_share": batch_share,
+            "steps": float(self.steps),
+        }
+        if busy > 0:
+            out["throughput"] = 1000.0 * self.samples / busy
+        return out
+
+
+class ReportScheduler:
+    """Fires ≤ n sub-epoch reports per epoch at reduce boundaries past each 1/n slice."""
+
+    def __init__(self, reports_per_epoch: int | None) -> None:
+        self.n = reports_per_epoch
+        self._epoch = -1
+        self._fired = 0
+
+    def due(self, epoch: int, done_batches: int, epoch_batches: int) -> bool:
+        """Called at each reduce boundary; True when a report should be emitted now."""
+        if self.n is None:
+            return False
+        if epoch != self._epoch:
+            self._epoch, self._fired = epoch, 0
+        if self._fired >= self.n or epoch_batches <= 0:
+            return False
+        threshold = (self._fired + 1) * epoch_batches / self.n
+        if done_batches + 1e-9 >= threshold:
+            self._fired += 1
+            return True
+        return False
+
+
+def node_paths(world_size: int, hosts: Sequence[str] | None) -> list[str]:
+    """The record path of each rank: ``root/rankN`` on one host, else ``root/<host>/rankN``."""
+    if hosts is None or len(set(hosts)) <= 1:
+        return [f"root/rank{r}" for r in range(world_size)]
+    return [f"root/{hosts[r]}/rank{r}" for r in range(world_size)]
+
+
+def _combine(children: Sequence[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    work = [c.get("steps", 0.0) for c in children]
+    total_work = sum(work)
+    for key in ("loss", "compute_only_ms"):
+        pairs = [(c[key], w) for c, w in zip(children, work, strict=True) if key in c]
+        if pairs:
+            wsum = sum(w for _, w in pairs)
+            out[key] = (
+                sum(v * w for v, w in pairs) / wsum
+                if wsum > 0
+                else sum(v for v, _ in pairs) / len(pairs)
+            )
+    for key in ("throughput", "batch_share"):
+        vals = [c[key] for c in children if key in c]
+        if vals:
+            out[key] = sum(vals)
+    starve = [c["data_starve_ms"] for c in children if "data_starve_ms" in c]
+    if starve:
+        out["data_starve_ms"] = max(starve)
+    out["steps"] = total_work
+    return out
+
+
+def window_records(
+    rank_nodes: dict[int, dict[str, float]],
+    paths: Sequence[str],
+    engine: dict[str, Any],
+) -> list[tuple[str, dict[str, Any]]]:
+    """Build (path, node) records for one report: ranks, then hosts, then root (with the
+    engine metrics such as anchor and sync_ms)."""
+    records: list[tuple[str, dict[str, Any]]] = []
+    by_parent: dict[str, list[dict[str, float]]] = {}
+    for rank in sorted(rank_nodes):
+        node = rank_nodes[rank]
+        records.append((paths[rank], dict(node)))
+        parent = paths[rank].rsplit("/", 1)[0]
+        by_parent.setdefault(parent, []).append(node)
+    host_nodes: list[dict[str, float]] = []
+    for parent in sorted(p for p in by_parent if p != "root"):
+        combined = _combine(by_parent[parent])
+        host_nodes.append(combined)
+        records.append((parent, dict(combined)))
+    root_children = by_parent.get("root", []) + host_nodes
+    root: dict[str, Any] = dict(_combine(root_children)) if root_children else {}
+    root.update(engine)
+    records.append(("root", root))
+    return records
