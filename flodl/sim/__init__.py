@@ -1,0 +1,7 @@
+"""Deterministic simulated clusters driving the real pure coordinator (capacity planning)."""
+
+from __future__ import annotations
+
+from flodl.sim.cluster import Failure, InvariantViolation, SimCluster, SimTrace
+
+__all__ = ["Failure", "InvariantViolation", "SimCluster", "SimTrace"]
