@@ -18,4 +18,3 @@ def pytest_asyncio_loop_factories(
     if item.get_closest_marker("uvloop"):
         return {"uvloop": uvloop.new_event_loop}
     return {"asyncio": asyncio.new_event_loop}
-

@@ -1,0 +1,1 @@
+"""Benchmark scripts: run each as ``python benchmarks/<name>.py``; shared helpers in _common."""

@@ -1,0 +1,136 @@
+"""Small helpers shared by the benchmark scripts: a best-of timer, a text table, JSON output.
+
+Every script in ``benchmarks/`` prints a table and writes JSON; a comparison is always two
+systems measured in the same run and reported as a ratio (this machine is shared and noisy).
+Scripts run as ``python benchmarks/<name>.py``; call :func:`ensure_repo_on_path` before
+importing ``flodl`` or ``benchmarks.*`` so that works without an installed package.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "REPO_ROOT",
+    "RESULTS_DIR",
+    "ensure_repo_on_path",
+    "best_of",
+    "rate",
+    "format_cell",
+    "print_table",
+    "write_json",
+    "machine_info",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+
+def ensure_repo_on_path() -> None:
+    """Put the repository root first on ``sys.path`` (scripts run from ``benchmarks/``)."""
+    root = str(REPO_ROOT)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
+def best_of(fn: Callable[[], object], repeat: int = 5, *, warmup: int = 1) -> float:
+    """Shortest wall time of ``repeat`` calls of ``fn``, in seconds, after ``warmup`` calls.
+
+    The minimum is the least noisy estimate on a shared machine: noise only ever adds time.
+    """
+    if repeat < 1:
+        raise ValueError("repeat must be at least 1")
+    for _ in range(warmup):
+        fn()
+    best = math.inf
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def rate(count: int, seconds: float) -> float:
+    """``count`` operations in ``seconds`` as operations per second (``inf`` for 0 s)."""
+    return count / seconds if seconds > 0 else math.inf
+
+
+def format_cell(value: object) -> str:
+    """A table cell: floats with 3 significant digits (thousands separated), ints grouped."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        if value != 0 and abs(value) < 1:
+            return f"{value:.3g}"
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+    return str(value)
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """Print ``rows`` under ``headers`` as an aligned text table (first column left-aligned)."""
+    cells = [[format_cell(c) for c in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        if len(row) != len(headers):
+            raise ValueError(f"row has {len(row)} cells for {len(headers)} headers: {row}")
+        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [
+            v.ljust(w) if i == 0 else v.rjust(w)
+            for i, (v, w) in enumerate(zip(values, widths, strict=True))
+        ]
+        return "  ".join(parts).rstrip()
+
+    print(f"\n{title}")
+    print(line(list(headers)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print(line(row))
+
+
+def write_json(path: str | os.PathLike[str], obj: Any) -> Path:
+    """Write ``obj`` as indented JSON to ``path``, creating parent directories; return the path.
+
+    Non-finite floats are written as strings (``"inf"``, ``"nan"``) so the file is strict JSON.
+    """
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(_finite(obj), indent=2, sort_keys=False) + "\n")
+    return out
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def machine_info() -> dict[str, Any]:
+    """Where the figures came from: interpreter, OS, CPU count."""
+    return {
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    }
