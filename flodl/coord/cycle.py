@@ -40,16 +40,24 @@ def should_average(
     window_steps: Sequence[int],
     counts: Sequence[int],
     quiesced: Sequence[bool],
+    chunked: bool = False,
 ) -> bool:
     """The count gate. ``window_steps[r]`` are the steps since the last reduce trigger;
-    ``quiesced[r]`` means the rank holds no work (its epoch share is drained)."""
+    ``quiesced[r]`` means the rank holds no untrained work. With ``chunked`` (progressive
+    Cadence: one chunk is one window, and a final-window slot may exceed the count) a rank hit
+    its window exactly when its chunk is done, i.e. when it is quiesced."""
     if not alive:
         return False
     moved = False
     for r in alive:
         steps = window_steps[r]
         moved = moved or steps > 0
-        hit = steps >= 1 if policy == "sync" else steps >= counts[r]
+        if chunked:
+            hit = False
+        elif policy == "sync":
+            hit = steps >= 1
+        else:
+            hit = steps >= counts[r]
         if not (hit or quiesced[r]):
             return False
     return moved
@@ -67,6 +75,7 @@ class Cycle:
     Attributes:
         number: id of the current or last cycle (increasing; 0 is the initial broadcast).
         expected: live ranks that must ack the pending cycle.
+        waiting: the expected ranks that have not acked yet.
         acked: ranks that acked it (and their step snapshot).
     """
 
@@ -76,6 +85,7 @@ class Cycle:
     pending_since_at: float = 0.0
     expected: set[int] = field(default_factory=set)
     acked: dict[int, int] = field(default_factory=dict)
+    waiting: set[int] = field(default_factory=set)
     reduce_done: bool = False
     contributors: tuple[int, ...] | None = None
     weight_total: float | None = None
@@ -87,6 +97,7 @@ class Cycle:
         self.phase = CyclePhase.PENDING
         self.pending_since_at = now
         self.expected = set(ranks)
+        self.waiting = set(ranks)
         self.acked = {}
         self.reduce_done = False
         self.contributors = None
@@ -102,11 +113,13 @@ class Cycle:
         if not self.pending or rank not in self.expected:
             return False
         self.acked[rank] = step
+        self.waiting.discard(rank)
         return True
 
     def drop(self, rank: int) -> None:
         """A dead rank counts as acked: never wait for it."""
         self.expected.discard(rank)
+        self.waiting.discard(rank)
 
     def mark_reduce_done(self, contributors: tuple[int, ...], weight_total: float) -> None:
         self.reduce_done = True
@@ -119,7 +132,7 @@ class Cycle:
             return False
         if self.needs_reduce_done and not self.reduce_done and self.expected:
             return False
-        return self.expected.issubset(self.acked)
+        return not self.waiting  # O(1): ready is asked after every ack
 
     def finish(self) -> None:
         """Pending → Idle (always, even when finalizing failed)."""

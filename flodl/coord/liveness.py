@@ -47,6 +47,12 @@ class Liveness:
         self.world_size = world_size
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._ranks = [_Rank() for _ in range(world_size)]
+        self._alive_count = 0
+        self._joined_count = 0
+        # A lower bound of the earliest stale instant. seen() only moves instants later, so a
+        # cached minimum stays a valid (early) deadline: refreshing it on every frame would make
+        # each frame O(world size). stale() rescans and refreshes it.
+        self._deadline_at: float | None = None
 
     # queries ---------------------------------------------------------------------------------
     def state(self, rank: int) -> RankState:
@@ -65,8 +71,11 @@ class Liveness:
     def dead(self) -> list[int]:
         return [r for r, s in enumerate(self._ranks) if s.state is RankState.DEAD]
 
+    def alive_count(self) -> int:
+        return self._alive_count
+
     def joined_count(self) -> int:
-        return sum(s.state is not RankState.JOINING for s in self._ranks)
+        return self._joined_count
 
     def last_seen_at(self, rank: int) -> float:
         return self._ranks[rank].last_seen_at
@@ -77,8 +86,17 @@ class Liveness:
     # transitions -----------------------------------------------------------------------------
     def join(self, rank: int, now: float) -> None:
         r = self._ranks[rank]
+        if r.state is RankState.JOINING:
+            self._joined_count += 1
+        if r.state is not RankState.ALIVE:
+            self._alive_count += 1
         r.state = RankState.ALIVE
         r.last_seen_at = now
+        at = now + self.heartbeat_timeout_s
+        if self._alive_count == 1:
+            self._deadline_at = at
+        elif self._deadline_at is not None:
+            self._deadline_at = min(self._deadline_at, at)
 
     def seen(self, rank: int, now: float) -> None:
         """Any frame from ``rank`` arrived at ``now``."""
@@ -92,6 +110,8 @@ class Liveness:
         if r.state is not RankState.ALIVE:
             return False
         r.state = RankState.EXITED
+        self._alive_count -= 1
+        self._deadline_at = None
         return True
 
     def declare_dead(self, rank: int, reason: str) -> bool:
@@ -99,6 +119,9 @@ class Liveness:
         r = self._ranks[rank]
         if r.state in (RankState.DEAD, RankState.EXITED):
             return False
+        if r.state is RankState.ALIVE:
+            self._alive_count -= 1
+        self._deadline_at = None
         r.state = RankState.DEAD
         r.reason = reason
         return True
@@ -108,16 +131,32 @@ class Liveness:
         # Same expression as next_deadline(): `now - timeout` could round differently and make
         # a tick at exactly the deadline find nobody stale, re-arming the same instant forever.
         timeout = self.heartbeat_timeout_s
-        return [
-            r
-            for r, s in enumerate(self._ranks)
-            if s.state is RankState.ALIVE and now >= s.last_seen_at + timeout
-        ]
+        if self._deadline_at is not None and now < self._deadline_at:
+            return []
+        stale: list[int] = []
+        earliest: float | None = None
+        for r, s in enumerate(self._ranks):
+            if s.state is not RankState.ALIVE:
+                continue
+            at = s.last_seen_at + timeout
+            if now >= at:
+                stale.append(r)
+            if earliest is None or at < earliest:
+                earliest = at
+        self._deadline_at = earliest
+        return stale
 
     def next_deadline(self) -> float | None:
-        """When the earliest alive rank goes stale; None if none is alive."""
-        seen = [s.last_seen_at for s in self._ranks if s.state is RankState.ALIVE]
-        return min(seen) + self.heartbeat_timeout_s if seen else None
+        """When the earliest alive rank may go stale; None if none is alive.
+
+        Exact after a join, a death, an exit or a :meth:`stale` scan; between scans frames only
+        move instants later, so the cached value is an early bound (a tick then rescans)."""
+        if self._alive_count == 0:
+            return None
+        if self._deadline_at is None:
+            seen = [s.last_seen_at for s in self._ranks if s.state is RankState.ALIVE]
+            self._deadline_at = min(seen) + self.heartbeat_timeout_s
+        return self._deadline_at
 
 
 def unrecoverable_reason(

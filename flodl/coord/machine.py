@@ -50,14 +50,13 @@ from flodl.coord.chunks import (
     chunk_batches,
     epoch_batches,
     final_window_alloc,
-    final_window_due,
     from_samples,
     partition_ranges,
     partition_sizes,
     split_among,
     to_samples,
 )
-from flodl.coord.cycle import Cycle, Sessions, ranks_to_throttle, should_average
+from flodl.coord.cycle import Cycle, CyclePhase, Sessions, ranks_to_throttle
 from flodl.coord.effects import (
     Alert,
     Close,
@@ -155,7 +154,8 @@ class ResumeState:
     sync_round: int = 0
     elche: ElCheState | None = None
     uncovered: tuple[tuple[int, int], ...] | None = None
-    """Uncovered batch ranges ``(start, stop)`` of the interrupted ``epoch``; ``None``: whole."""
+    """Uncovered ranges of the interrupted ``epoch`` as the meta stores them: ``(offset, size)``
+    in samples, multiples of the batch size; ``None``: the whole epoch is still to train."""
 
 
 @dataclass(slots=True)
@@ -229,7 +229,7 @@ class Coordinator:
         self.ranks = [_RankRun() for _ in range(w)]
         self.works: dict[int, EpochWork] = {}
         self.epoch_started_at: dict[int, float] = {}
-        self.final_plans: dict[int, tuple[tuple[tuple[int, ...], tuple[bool, ...]], list[int]]] = {}
+        self.final_plans: dict[int, tuple[int, list[int]]] = {}
         self.last_progress_at = 0.0
         self.next_epoch = 0
         self.last_aggregated = -1
@@ -247,6 +247,17 @@ class Coordinator:
         self.save_reason: SaveReason | None = None
         self.max_overshoot = el.max_overshoot if el.max_overshoot is not None else OVERSHOOT_INITIAL
         self.coverage_log: dict[int, CoverageReport] = {}
+        # Incremental count gate (O(1) per batch; see _refresh): per-rank "hit its count or
+        # quiesced" and "moved this window" flags, with counts over live ranks.
+        self._sat = [False] * w
+        self._moved = [False] * w
+        self._unsat = 0
+        self._moved_count = 0
+        self._cohort_cache: tuple[list[int], list[bool], int] | None = None
+        self._cohort_version = 0
+        self._stall_ceiling_s = config.stall_ceiling_s
+        self._barrier = el.barrier_paced
+        self._bs = config.batch_size
         self._join_deadline_at: float | None = None
         self._heartbeat_at: float | None = None
         self._started = False
@@ -284,8 +295,9 @@ class Coordinator:
         if self.phase is RunPhase.DONE:
             return out
         if self._heartbeat_at is not None and now >= self._heartbeat_at:
+            beat = CoordHeartbeat()
             for r in self.liveness.alive():
-                out.append(Send(r, CoordHeartbeat()))
+                out.append(Send(r, beat))
             self._heartbeat_at = now + COORD_HEARTBEAT_S
         if (
             self.phase is RunPhase.FORMING
@@ -323,24 +335,37 @@ class Coordinator:
         return out
 
     def next_deadline(self) -> float | None:
-        """Earliest ``now`` at which :meth:`tick` can change anything; None if nothing armed."""
-        if self.phase is RunPhase.DONE:
+        """Earliest ``now`` at which :meth:`tick` can change anything; None if nothing armed.
+
+        Called by the shell after every input, so it allocates nothing."""
+        phase = self.phase
+        if phase is RunPhase.DONE:
             return None
-        candidates = [self._heartbeat_at, self.liveness.next_deadline()]
-        if self.phase is RunPhase.FORMING:
-            candidates.append(self._join_deadline_at)
+        best = self._heartbeat_at
+        live = self.liveness.next_deadline()
+        if live is not None and (best is None or live < best):
+            best = live
+        join_at = self._join_deadline_at if phase is RunPhase.FORMING else None
+        if join_at is not None and (best is None or join_at < best):
+            best = join_at
         if self.save_reason is None:
-            candidates.append(self.cycle.stall_deadline(self.config.stall_ceiling_s))
-            candidates.append(self._progress_deadline())
-        present = [c for c in candidates if c is not None]
-        return min(present) if present else None
+            cycle = self.cycle
+            if cycle.phase is CyclePhase.PENDING:
+                at = cycle.pending_since_at + self._stall_ceiling_s
+            elif phase is RunPhase.TRAINING:
+                at = self.last_progress_at + self._stall_ceiling_s
+            else:
+                return best
+            if best is None or at < best:
+                best = at
+        return best
 
     def _progress_deadline(self) -> float | None:
         """Safety net against a wedged cohort (no batch and no finalized cycle for the stall
         ceiling while training, outside a pending cycle, which has its own ceiling)."""
         if self.phase is not RunPhase.TRAINING or self.cycle.pending or self.save_reason:
             return None
-        return self.last_progress_at + self.config.stall_ceiling_s
+        return self.last_progress_at + self._stall_ceiling_s
 
     # --- read-only views used by shells, the simulator and tests -----------------------------
 
@@ -354,8 +379,18 @@ class Coordinator:
             return self.works[epoch].coverage_report()
         return self.coverage_log.get(epoch)
 
+    def gate_open(self) -> bool:
+        """Whether the incremental count gate says a cycle may start (for invariant checks
+        against :func:`~flodl.coord.cycle.should_average`)."""
+        return self._unsat == 0 and self._moved_count > 0 and self.liveness.alive_count() > 0
+
     def in_flight(self, rank: int) -> int:
-        return sum(w.in_flight(rank) for w in self.works.values())
+        """Batches handed to ``rank`` and not yet trained, over every open epoch."""
+        works = self.works
+        if len(works) == 1:  # the common case (barrier-paced runs have one open epoch)
+            for w in works.values():
+                return w.in_flight(rank)
+        return sum(w.in_flight(rank) for w in works.values())
 
     def meta_record(self, reason: SaveReason | str) -> dict[str, Any]:
         """The checkpoint meta (flodl-spec.md §8) as JSON-ready data."""
@@ -510,8 +545,17 @@ class Coordinator:
         self.last_progress_at = now
         run = self.ranks[rank]
         run.step = max(run.step, batch.step)
-        run.window.add(batch.batch_ms, batch.data_ms, batch.loss, self.config.batch_size)
-        if self.backend == "cpu" and not self.cycle.pending:
+        run.window.add(batch.batch_ms, batch.data_ms, batch.loss, self._bs)
+        if self.config.elche.max_batch_diff is not None and self.backend == "cpu":
+            self._throttle_leaders(out)
+        if self.progressive and work.in_flight(rank) == 0:
+            self._dispatch(rank, now, out)
+        self._refresh(rank)
+        self._maybe_trigger(now, out)
+
+    def _throttle_leaders(self, out: list[Effect]) -> None:
+        """CPU lead limit (``max_batch_diff``): O(W) per batch, paid only when configured."""
+        if not self.cycle.pending:
             for r in ranks_to_throttle(
                 alive=self.liveness.alive(),
                 window_steps=self._window_steps(),
@@ -520,9 +564,6 @@ class Coordinator:
             ):
                 self.throttled.add(r)
                 out.append(Send(r, Throttle()))
-        if self.progressive and work.in_flight(rank) == 0:
-            self._dispatch(rank, now, out)
-        self._maybe_trigger(now, out)
 
     def _on_snapshot(self, frame: SnapshotReady) -> None:
         if self.cycle.pending and frame.cycle == self.cycle.number:
@@ -539,6 +580,7 @@ class Coordinator:
         run.ack_session = ack.session
         run.closed_window = run.window
         run.window = WindowStats()
+        self._refresh(ack.rank)
         self._pending_divergence[ack.rank] = (ack.divergence, ack.pre_norm, ack.post_norm)
         if self.cycle.ack(ack.rank, ack.step):
             self._maybe_finalize(now, out)
@@ -550,7 +592,8 @@ class Coordinator:
 
     def _on_exiting(self, rank: int, now: float, out: list[Effect]) -> None:
         if self.phase is RunPhase.SHUTDOWN:
-            self.liveness.mark_exited(rank)
+            if self.liveness.mark_exited(rank):
+                self._forget(rank)
             self._maybe_done(out)
         else:
             self._declare_dead(rank, "rank exited before the run ended", now, out)
@@ -562,6 +605,7 @@ class Coordinator:
     def _begin_training(self, now: float, out: list[Effect]) -> None:
         self.phase = RunPhase.TRAINING
         self.last_progress_at = now
+        self._refresh_all()
         self._started = True
         self._pending_divergence: dict[int, tuple[float | None, float | None, float | None]] = {}
         if self.backend == "cpu":
@@ -582,6 +626,7 @@ class Coordinator:
         self.epoch_started_at[epoch] = now
         self.next_epoch = max(self.next_epoch, epoch + 1)
         self.elche.set_max_total_batches(max(1, work.total_batches))
+        self._invalidate_cohort()
         self._send_roles_if_dirty(out)
         self._epoch_boundary_callbacks(epoch, out)
         if not self.progressive:
@@ -600,10 +645,11 @@ class Coordinator:
                 for rng in ranges:
                     work.assign(rank, rng)
                     out.append(Send(rank, StartEpoch(plan=self._plan(epoch, rng))))
+                self._refresh(rank)
         return work
 
     def _plan(self, epoch: int, rng: BatchRange) -> EpochPlan:
-        offset, size = to_samples(rng, self.config.batch_size)
+        offset, size = to_samples(rng, self._bs)
         return EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size)
 
     def _advance_epochs(self, now: float, out: list[Effect]) -> None:
@@ -637,34 +683,31 @@ class Coordinator:
     def _take_chunk(self, rank: int, now: float, out: list[Effect]) -> EpochPlan | None:
         if self.phase is not RunPhase.TRAINING or not self.liveness.is_alive(rank):
             return None
-        barrier = self.config.elche.barrier_paced
+        barrier = self._barrier
         if barrier and (self.cycle.pending or self.in_flight(rank) > 0):
             return None
         # Work already handed out counts against the window budget: without this an Async
         # rank would pile up a chunk per finalize and the overshoot bound would not hold.
         steps = self.ranks[rank].window.steps + self.in_flight(rank)
-        count = max(1, self.elche.batch_counts[rank])
+        counts, _, sum_counts = self._cohort()
+        count = counts[rank]
         overshoot = self.max_overshoot if self.policy == "async" else 0
         if steps >= count + overshoot:
             return None
-        work = next((w for e, w in sorted(self.works.items()) if w.remaining() > 0), None)
+        work = self._first_unassigned()
         if work is None:
             if barrier or self.next_epoch >= self.config.total_epochs:
                 return None
             work = self._open_epoch(self.next_epoch, now, out)
             if work.remaining() == 0:
                 return None
-        alive = self.liveness.alive_mask()
-        counts = [
-            max(1, c) if a else 0 for c, a in zip(self.elche.batch_counts, alive, strict=True)
-        ]
-        final_slot = self._final_slot(work, rank, counts, alive) if barrier else None
+        final_slot = self._final_slot(work, rank) if barrier else None
         size = chunk_batches(
             policy=self.policy,
             count=count,
             steps_in_window=steps,
             remaining=work.remaining(),
-            sum_counts=sum(counts),
+            sum_counts=sum_counts,
             final_slot=final_slot,
             max_overshoot=overshoot,
             calibrated=self.elche.calibrated or self.elche.has_speed_hint(),
@@ -676,18 +719,19 @@ class Coordinator:
         rng = work.take(rank, size)
         if rng is None:
             return None
+        self._refresh(rank)
         if final_slot is not None:
             self.final_plans[work.epoch][1][rank] = max(0, final_slot - rng.size)
         return self._plan(work.epoch, rng)
 
-    def _final_slot(
-        self, work: EpochWork, rank: int, counts: list[int], alive: list[bool]
-    ) -> int | None:
-        key = (tuple(counts), tuple(alive))
+    def _final_slot(self, work: EpochWork, rank: int) -> int | None:
+        counts, alive, _ = self._cohort()
+        key = self._cohort_version
         pinned = self.final_plans.get(work.epoch)
-        if pinned is None or pinned[0] != key:  # pinned once per (epoch, counts, cohort)
+        if pinned is None or pinned[0] != key:  # pinned once per (epoch, cohort version)
             rem = work.remaining()
-            if not final_window_due(rem, counts, alive):
+            # final_window_due() without its O(W) sum (Σ counts is cached with the cohort)
+            if not 0 < rem < self._cohort()[2] + self.world_size:
                 return None
             pinned = (key, final_window_alloc(rem, counts, alive))
             self.final_plans[work.epoch] = pinned
@@ -792,7 +836,7 @@ class Coordinator:
         self._maybe_done(out)
 
     def _maybe_done(self, out: list[Effect]) -> None:
-        if self.phase is RunPhase.SHUTDOWN and not self.liveness.alive():
+        if self.phase is RunPhase.SHUTDOWN and self.liveness.alive_count() == 0:
             ok = self.save_reason is None
             reason = "run complete" if ok else f"run stopped: {self.save_reason}"
             self._finish_run(out, ok=ok, reason=reason)
@@ -811,23 +855,70 @@ class Coordinator:
     # Averaging cycles
     # =========================================================================================
 
+    def _cohort(self) -> tuple[list[int], list[bool], int]:
+        """(counts ≥ 1 for live ranks and 0 for the dead, live mask, Σ counts), cached until
+        ElChe's counts or the membership change (reading them per dispatch would be O(W))."""
+        if self._cohort_cache is None:
+            alive = self.liveness.alive_mask()
+            counts = [
+                max(1, c) if a else 0 for c, a in zip(self.elche.batch_counts, alive, strict=True)
+            ]
+            self._cohort_cache = (counts, alive, sum(counts))
+        return self._cohort_cache
+
+    def _invalidate_cohort(self) -> None:
+        self._cohort_cache = None
+        self._cohort_version += 1
+        self._refresh_all()
+
+    def _refresh(self, rank: int) -> None:
+        """Recompute ``rank``'s count-gate flags and the live counters."""
+        live = self.liveness.is_alive(rank)
+        steps = self.ranks[rank].window.steps
+        if live:
+            quiesced = self.in_flight(rank) == 0
+            if self.policy == "cadence" and self.progressive:
+                # One chunk = one window (possibly a final-window slot above the count):
+                # the window is done when the chunk is, never in the middle of it.
+                sat = quiesced
+            else:
+                need = 1 if self.policy == "sync" else self._cohort()[0][rank]
+                sat = steps >= need or quiesced
+            moved = steps > 0
+        else:
+            sat = moved = False
+        if live:
+            self._unsat += int(self._sat[rank]) - int(sat)
+            self._moved_count += int(moved) - int(self._moved[rank])
+        self._sat[rank], self._moved[rank] = sat, moved
+
+    def _refresh_all(self) -> None:
+        self._sat = [False] * self.world_size
+        self._moved = [False] * self.world_size
+        self._unsat = self.liveness.alive_count()
+        self._moved_count = 0
+        for r in range(self.world_size):
+            if self.liveness.is_alive(r):
+                self._refresh(r)
+
+    def _forget(self, rank: int) -> None:
+        """Drop a rank that just died or exited from the live counters."""
+        if not self._sat[rank]:
+            self._unsat -= 1
+        if self._moved[rank]:
+            self._moved_count -= 1
+        self._sat[rank] = self._moved[rank] = False
+
     def _window_steps(self) -> list[int]:
         return [r.window.steps for r in self.ranks]
 
     def _maybe_trigger(self, now: float, out: list[Effect]) -> None:
         if self.phase is not RunPhase.TRAINING or self.cycle.pending:
             return
-        alive = self.liveness.alive()
-        quiesced = [self.in_flight(r) == 0 for r in range(self.world_size)]
-        counts = [max(1, c) for c in self.elche.batch_counts]
-        if not should_average(
-            policy=self.policy,
-            alive=alive,
-            window_steps=self._window_steps(),
-            counts=counts,
-            quiesced=quiesced,
-        ):
+        # The count gate of cycle.should_average, kept incrementally: O(1) per batch.
+        if self._unsat > 0 or self._moved_count == 0 or self.liveness.alive_count() == 0:
             return
+        alive = self.liveness.alive()
         number = self.cycle.begin(alive, now)
         self.throttled.clear()
         self._pending_divergence = {}
@@ -856,14 +947,31 @@ class Coordinator:
     def _release(self, number: int, now: float, out: list[Effect]) -> None:
         """Tell live ranks the cycle is over: ``update`` (CPU; in Cadence with the next
         intra-epoch chunk folded in, saving a round trip) and the new global step."""
-        fold = self.backend == "cpu" and self.policy == "cadence" and self.progressive
+        cpu = self.backend == "cpu"
+        fold = cpu and self.policy == "cadence" and self.progressive
+        # Frames are immutable: one instance serves every rank that gets the same content.
+        step: CoordFrame = SetGlobalStep(global_step=self.global_step)
+        bare: CoordFrame = Update(version=number, next_plan=None)
         for r in self.liveness.alive():
-            if self.backend == "cpu":
+            if cpu:
                 plan = None
-                if fold and any(w.remaining() > 0 for w in self.works.values()):
+                if fold and self._has_unassigned():
                     plan = self._take_chunk(r, now, out)
-                out.append(Send(r, Update(version=number, next_plan=plan)))
-            out.append(Send(r, SetGlobalStep(global_step=self.global_step)))
+                out.append(
+                    Send(r, bare if plan is None else Update(version=number, next_plan=plan))
+                )
+            out.append(Send(r, step))
+
+    def _has_unassigned(self) -> bool:
+        return self._first_unassigned() is not None
+
+    def _first_unassigned(self) -> EpochWork | None:
+        """The lowest open epoch with unassigned work (epochs are opened in order, so the
+        dict's insertion order is ascending)."""
+        for w in self.works.values():
+            if w.remaining() > 0:
+                return w
+        return None
 
     def _contributors(self) -> set[int]:
         acked = set(self.cycle.acked)
@@ -886,7 +994,7 @@ class Coordinator:
                     if e in self.works:
                         self.works[e].commit_upto(r, min(done, self.works[e].done(r)))
         for r in sorted(self.deferred_forfeit):
-            self._forfeit(r, now, out)
+            self._forfeit(r, now, out, redistribute=self.phase is RunPhase.TRAINING)
         self.deferred_forfeit.clear()
         # 2. ElChe feedback from the closed windows.
         windows = [
@@ -927,6 +1035,7 @@ class Coordinator:
             )
             if nudge is not None:
                 self.elche.apply_verdict(nudge)
+        self._invalidate_cohort()
         # 4. Counters, global step, records.
         self.sync_rounds += 1
         self.prev_sync_ms = sync_ms
@@ -1022,6 +1131,7 @@ class Coordinator:
     def _declare_dead(self, rank: int, reason: str, now: float, out: list[Effect]) -> None:
         if not self.liveness.declare_dead(rank, reason):
             return
+        self._forget(rank)
         out.append(RankDead(rank, reason))
         out.append(Close(rank, reason))
         out.append(
@@ -1031,21 +1141,17 @@ class Coordinator:
             self._finish_run(out, ok=False, reason=f"rank {rank} lost during formation: {reason}")
             return
         if self.phase is RunPhase.SHUTDOWN:
+            self._forfeit(rank, now, out, redistribute=False)  # its work stays uncovered
             self._maybe_done(out)
             return
         self.elche.mark_dead(rank)
+        self._invalidate_cohort()
         alive = self.liveness.alive()
         run = self.ranks[rank]
         if self.cycle.pending:
             self.cycle.drop(rank)
             if run.snapshot_cycle == self.cycle.number:
                 self.deferred_forfeit.add(rank)
-        if rank not in self.deferred_forfeit:
-            self._forfeit(rank, now, out)
-        why = self.roles.on_death(rank, alive, self.elche.smoothed_ms)
-        if why:
-            out.append(Record("root", "event", {"roles": why}))
-        self._failover_checkpoints(rank, alive, out)
         verdict = unrecoverable_reason(
             world_size=self.world_size,
             dead=len(self.liveness.dead()),
@@ -1053,9 +1159,17 @@ class Coordinator:
             backend=self.backend,
             max_failure=self.config.max_failure,
         )
+        if rank not in self.deferred_forfeit:
+            # Past the failure budget the work stays uncovered (for the resume) instead of
+            # being handed to survivors that are about to stop.
+            self._forfeit(rank, now, out, redistribute=verdict is None)
         if verdict is not None:
             self._shutdown_with_save(verdict[0], verdict[1], out)
             return
+        why = self.roles.on_death(rank, alive, self.elche.smoothed_ms)
+        if why:
+            out.append(Record("root", "event", {"roles": why}))
+        self._failover_checkpoints(rank, alive, out)
         if self.backend == "collective":
             session, members = self.sessions.reform(alive)
             for r in alive:
@@ -1085,14 +1199,19 @@ class Coordinator:
                         self._dispatch(r, now, out)
             self._maybe_trigger(now, out)
 
-    def _forfeit(self, rank: int, now: float, out: list[Effect]) -> None:
+    def _forfeit(
+        self, rank: int, now: float, out: list[Effect], *, redistribute: bool = True
+    ) -> None:
+        """Return the dead rank's uncommitted work: to the pool (progressive, or when the run
+        is shutting down), else split among survivors with ``extend_partition``."""
         alive = self.liveness.alive()
         for epoch, work in sorted(self.works.items()):
             returned = work.forfeit(rank)
-            if not returned or self.progressive or not alive:
+            if not returned or self.progressive or not alive or not redistribute:
                 continue
             for survivor, piece in split_among(returned, alive):
                 work.assign(survivor, piece)
+                self._refresh(survivor)
                 offset, size = to_samples(piece, self.config.batch_size)
                 out.append(
                     Send(
@@ -1199,7 +1318,8 @@ class Coordinator:
                 self.roles.on_first_calibration(range(self.world_size), self.elche.smoothed_ms)
         if resume.uncovered is not None:
             self._resume_epoch = resume.epoch
-            self._resume_uncovered = [BatchRange(a, b) for a, b in resume.uncovered]
+            bs = self.config.batch_size
+            self._resume_uncovered = [from_samples(o, n, bs) for o, n in resume.uncovered]
 
 
 # =============================================================================================

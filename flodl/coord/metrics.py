@@ -75,7 +75,9 @@ class EpochAggregator:
         self._epochs: dict[int, list[RankEpoch]] = {}
 
     def add(self, m: Metrics) -> None:
-        per_rank = self._epochs.setdefault(m.epoch, [RankEpoch() for _ in range(self.world_size)])
+        per_rank = self._epochs.get(m.epoch)
+        if per_rank is None:  # not setdefault: building the list per frame would be O(W)
+            per_rank = self._epochs[m.epoch] = [RankEpoch() for _ in range(self.world_size)]
         per_rank[m.rank].add(m)
 
     def finish(

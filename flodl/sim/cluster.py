@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from flodl.config import CoordConfig, ElCheConfig, MaxFailure, validated
+from flodl.coord.cycle import should_average
 from flodl.coord.effects import (
     Alert,
     Close,
@@ -319,7 +320,8 @@ class SimCluster:
     # ------------------------------------------------------------------ coordinator effects
     def _apply(self, effects: list[Effect]) -> None:
         for e in effects:
-            self._digest.update(f"{self.now:.9f}{e!r}".encode())
+            if self.check_invariants:  # repr of every effect is slow; benchmarks skip it
+                self._digest.update(f"{self.now:.9f}{e!r}".encode())
             match e:
                 case Send(rank=rank, frame=frame):
                     r = self.ranks[rank]
@@ -527,6 +529,18 @@ class SimCluster:
                     self._violate(f"rank {rank} has more than one chunk in flight (epoch {e})")
         if barrier and c.phase is RunPhase.TRAINING and len(c.works) > 1:
             self._violate(f"barrier-paced run has epochs {sorted(c.works)} open at once")
+        if c.phase is RunPhase.TRAINING and not c.cycle.pending:
+            alive = c.liveness.alive()
+            expected = should_average(
+                policy=self.config.elche.policy,
+                alive=alive,
+                window_steps=[r.window.steps for r in c.ranks],
+                counts=[max(1, n) for n in c.elche.batch_counts],
+                quiesced=[c.in_flight(r) == 0 for r in range(len(self.ranks))],
+                chunked=c.policy == "cadence" and c.progressive,
+            )
+            if expected != c.gate_open():
+                self._violate(f"incremental count gate {c.gate_open()} != should_average")
         stall = c.cycle.stall_deadline(self.config.stall_ceiling_s)
         if stall is not None and self.now > stall + 1e-9 and c.save_reason is None:
             self._violate("a cycle stayed pending past the stall ceiling")

@@ -1,0 +1,145 @@
+"""Coordinator machine cost per averaging cycle at 8 … 4096 simulated ranks.
+
+Drives the real pure coordinator with :class:`flodl.sim.SimCluster` (cpu_cadence, equal speeds
+with jitter) and times every ``handle``/``tick`` call with ``perf_counter``. Reports, per world
+size:
+
+* ``cycle µs``: coordinator CPU per averaging cycle for everything except per-batch frames
+  (snapshot/ack/metrics/heartbeats, the trigger, finalize with ElChe/guard feedback, dispatch),
+* ``batch µs``: cost of one ``batch`` frame (the per-step timing report), so a cycle of anchor
+  ``a`` costs ``cycle + a × W × batch``,
+* ``total ms/cycle`` at the measured anchor, and simulated ranks×seconds per wall second.
+
+Target: the 4096-rank cycle costs < 50 ms of coordinator CPU, growing no faster than linearly.
+
+    python benchmarks/bench_coord.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from typing import Any
+
+from _common import RESULTS_DIR, ensure_repo_on_path, machine_info, print_table, write_json
+
+ensure_repo_on_path()
+
+from flodl.sim import SimCluster  # noqa: E402
+from flodl.wire.frames import Batch  # noqa: E402
+
+
+def measure(world: int, cycles: int) -> dict[str, Any]:
+    anchor = 10
+    sim = SimCluster(
+        world,
+        "cpu_cadence",
+        [10.0] * world,
+        dataset_len=world * anchor * cycles,
+        batch_size=1,
+        epochs=1,
+        seed=1,
+        check_invariants=False,
+    )
+    coord = sim.coord
+    spent: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    handle, tick = coord.handle, coord.tick
+
+    marks: list[tuple[float, float]] = []  # (other, batch) spent at each finalized cycle
+
+    def mark() -> None:
+        while len(marks) < coord.sync_rounds:
+            marks.append((spent["other"], spent["batch"]))
+
+    def timed_handle(event: Any, now: float) -> Any:
+        t0 = time.perf_counter()
+        out = handle(event, now)
+        key = "batch" if isinstance(event, Batch) else "other"
+        spent[key] += time.perf_counter() - t0
+        calls[key] += 1
+        mark()
+        return out
+
+    def timed_tick(now: float) -> Any:
+        t0 = time.perf_counter()
+        out = tick(now)
+        spent["other"] += time.perf_counter() - t0
+        calls["tick"] += 1
+        mark()
+        return out
+
+    coord.handle = timed_handle  # type: ignore[method-assign]
+    coord.tick = timed_tick  # type: ignore[method-assign]
+    wall0 = time.perf_counter()
+    trace = sim.run()
+    wall = time.perf_counter() - wall0
+    # Steady state: from the first finalized cycle to the last (formation, the first
+    # dispatch and the shutdown are one-off costs, reported separately).
+    steady = max(1, len(marks) - 1)
+    other = marks[-1][0] - marks[0][0]
+    batches = marks[-1][1] - marks[0][1]
+    batch_us = 1e6 * spent["batch"] / max(1, calls["batch"])
+    cycle_us = 1e6 * other / steady
+    total_ms = 1e3 * (other + batches) / steady
+    one_off_ms = 1e3 * (spent["other"] - other)
+    return {
+        "world": world,
+        "cycles": trace.cycles,
+        "ok": trace.ok,
+        "cycle_us": cycle_us,
+        "cycle_us_per_rank": cycle_us / world,
+        "batch_us": batch_us,
+        "total_ms_per_cycle": total_ms,
+        "anchor": trace.anchors[-1],
+        "one_off_ms": one_off_ms,
+        "sim_rank_seconds_per_wall_s": world * trace.wall_s / wall,
+        "wall_s": wall,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer cycles")
+    parser.add_argument("--json", default=str(RESULTS_DIR / "bench_coord.json"))
+    args = parser.parse_args()
+    cycles = 4 if args.quick else 8
+    rows = [measure(w, cycles) for w in (8, 64, 512, 4096)]
+    base = rows[0]["cycle_us_per_rank"]
+    print_table(
+        "coordinator cost per averaging cycle (cpu_cadence, anchor 10, equal speeds)",
+        [
+            "ranks",
+            "cycles",
+            "cycle µs",
+            "µs/rank",
+            "vs 8-rank µs/rank",
+            "batch µs",
+            "total ms/cycle",
+            "one-off ms",
+            "rank·s / wall s",
+        ],
+        [
+            [
+                r["world"],
+                r["cycles"],
+                f"{r['cycle_us']:.0f}",
+                f"{r['cycle_us_per_rank']:.1f}",
+                f"{r['cycle_us_per_rank'] / base:.2f}×",
+                f"{r['batch_us']:.1f}",
+                f"{r['total_ms_per_cycle']:.1f}",
+                f"{r['one_off_ms']:.0f}",
+                f"{r['sim_rank_seconds_per_wall_s']:.0f}",
+            ]
+            for r in rows
+        ],
+    )
+    big = rows[-1]
+    verdict = "PASS" if big["cycle_us"] < 50_000 else "FAIL"
+    print(f"4096-rank cycle overhead {big['cycle_us'] / 1000:.1f} ms (target < 50 ms): {verdict}")
+    write_json(args.json, {"machine": machine_info(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

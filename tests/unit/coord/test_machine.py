@@ -1,0 +1,977 @@
+"""The pure coordinator machine driven with hand-written frames on a fake clock.
+
+Production constants throughout: heartbeat timeout 30 s, stall ceiling max(10 × 30, 300) = 300 s,
+join timeout 300 s, coordinator heartbeat 1 s. No sleeps: time is an argument.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+
+from flodl.config import CoordConfig, ElCheConfig, MaxFailure, validated
+from flodl.coord.chunks import BatchRange
+from flodl.coord.effects import (
+    Alert,
+    Close,
+    Effect,
+    EpochDone,
+    OpenReduce,
+    RankDead,
+    RefusePeer,
+    Reply,
+    RunOver,
+    Send,
+    WriteMeta,
+)
+from flodl.coord.inputs import ChildExited, PeerLost, ReduceDone
+from flodl.coord.liveness import RankState
+from flodl.coord.machine import META_SCHEMA_VERSION, Coordinator, RunPhase
+from flodl.wire.frames import (
+    Accept,
+    Batch,
+    CoordHeartbeat,
+    DeclareDead,
+    EpochPlan,
+    Exiting,
+    ExtendPartition,
+    Heartbeat,
+    Hello,
+    Metrics,
+    NewSession,
+    RankExited,
+    Reject,
+    RequestParams,
+    SetEpochCallbackRole,
+    SetGlobalStep,
+    Shutdown,
+    ShutdownWithSave,
+    SnapshotReady,
+    StartEpoch,
+    SyncAck,
+    SyncNow,
+    Throttle,
+    Update,
+)
+
+SIG = "a" * 64
+BS = 32
+
+
+class FakeClock:
+    """Monotonic virtual time: moves forward only, never sleeps."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def advance(self, dt: float) -> None:
+        if dt < 0:
+            raise ValueError(f"a monotonic clock cannot go back by {-dt} s")
+        self.now += dt
+
+    def advance_to(self, t: float) -> None:
+        self.advance(t - self.now)
+        self.now = t  # land exactly on t (no float drift at deadline boundaries)
+
+
+def make_config(mode: str = "cpu_cadence", world_size: int = 2, dataset_len: int = 640, **kw: Any):
+    return validated(
+        CoordConfig,
+        world_size=world_size,
+        dataset_len=dataset_len,
+        batch_size=BS,
+        elche=ElCheConfig.preset(mode),
+        **kw,
+    )
+
+
+def hello(rank: int, world_size: int = 2, **kw: Any) -> Hello:
+    values: dict[str, Any] = {"run_id": "run", "model_signature": SIG, **kw}
+    return Hello(rank=rank, world_size=world_size, **values)
+
+
+def batch(rank: int, step: int, epoch: int = 0) -> Batch:
+    return Batch(rank=rank, epoch=epoch, step=step, batch_ms=10.0 + rank, loss=1.0)
+
+
+def chunk_metrics(rank: int, epoch: int, n: int) -> Metrics:
+    return Metrics(
+        rank=rank,
+        epoch=epoch,
+        avg_loss=1.0,
+        batches_processed=n,
+        samples_processed=BS * n,
+        epoch_ms=10.0 * n,
+        share_complete_ms=10.0 * n,
+        compute_only_ms=10.0 * n,
+    )
+
+
+class Cluster:
+    """N fake ranks played synchronously against a real Coordinator, answering like
+    ``flodl/sim/cluster.py`` (train → snapshot_ready → [ReduceDone] → sync_ack → update …)."""
+
+    def __init__(self, config: CoordConfig) -> None:
+        self.config, self.clock = config, FakeClock()
+        self.coord = Coordinator(config, random.Random(0))
+        w = self.w = config.world_size
+        self.cpu = config.elche.backend == "cpu"
+        self.trace: list[Any] = []  # inputs and effects, in order
+        self.inbox: list[deque[Any]] = [deque() for _ in range(w)]
+        self.work: list[deque[list[int]]] = [deque() for _ in range(w)]  # [epoch, left, done]
+        self.step, self.wanted, self.in_reduce = [0] * w, [None] * w, [None] * w
+        self.waiting, self.session = [False] * w, [0] * w
+        self.members = [tuple(range(w))] * w
+        self.out: set[int] = set()  # dead or exited: acts no more
+        self.expected: dict[int, set[int]] = {}
+        self.entered: dict[Any, set[int]] = {}
+
+    def feed(self, event: Any) -> list[Effect]:
+        self.trace.append(event)
+        return self._route(self.coord.handle(event, self.clock.now))
+
+    def tick(self) -> list[Effect]:
+        return self._route(self.coord.tick(self.clock.now))
+
+    def _route(self, effects: list[Effect]) -> list[Effect]:
+        self.trace.extend(effects)
+        for e in effects:
+            if isinstance(e, Send):
+                self.inbox[e.rank].append(e.frame)
+            elif isinstance(e, OpenReduce):
+                self.expected[e.cycle] = set(e.ranks)
+            elif isinstance(e, RankDead):
+                self.out.add(e.rank)
+                for c in list(self.expected):
+                    self.expected[c].discard(e.rank)
+                    self._maybe_reduced(c)
+        return effects
+
+    def join(self) -> None:
+        for r in range(self.w):
+            self.feed(hello(r, self.w))
+
+    def kill(self, rank: int) -> list[Effect]:
+        self.out.add(rank)
+        return self.feed(ChildExited(rank, -9))
+
+    def run(self, until: Callable[[], bool] = lambda: False, limit: int = 20_000) -> None:
+        for _ in range(limit):
+            moved = False
+            for r in range(self.w):
+                if until():
+                    return
+                moved = self.act(r) or moved
+            if not moved:
+                return
+        raise AssertionError("the cluster did not settle")
+
+    def act(self, r: int) -> bool:
+        if r in self.out:
+            return False
+        if self.inbox[r]:
+            self._receive(r, self.inbox[r].popleft())
+        elif self.wanted[r] is not None:
+            self._enter_reduce(r, self.wanted[r])
+        elif self.waiting[r] or self.in_reduce[r] is not None:
+            return False
+        else:
+            while self.work[r] and self.work[r][0][1] == 0:
+                self.work[r].popleft()
+            if not self.work[r]:
+                return False
+            head = self.work[r][0]
+            head[1], head[2], self.step[r] = head[1] - 1, head[2] + 1, self.step[r] + 1
+            self.feed(batch(r, self.step[r], head[0]))
+            if head[1] == 0:
+                self.feed(chunk_metrics(r, head[0], head[2]))
+        return True
+
+    def _receive(self, r: int, frame: Any) -> None:
+        match frame:
+            case StartEpoch(plan=plan) | Update(next_plan=EpochPlan() as plan):
+                self.waiting[r] = False
+                self.work[r].append([plan.epoch, plan.partition_size // BS, 0])
+            case ExtendPartition(epoch=epoch, partition_size=size):
+                self.work[r].append([epoch, size // BS, 0])
+            case Update():
+                self.waiting[r] = False
+            case RequestParams(cycle=c) | SyncNow(cycle=c):
+                self.wanted[r] = c
+            case NewSession(session=s, ranks=members):
+                self.session[r], self.members[r] = s, tuple(members)
+                if self.in_reduce[r] is not None:
+                    self._enter_collective(r, self.in_reduce[r])
+            case Shutdown() | ShutdownWithSave():
+                self.out.add(r)
+                self.feed(Exiting(rank=r))
+
+    def _enter_reduce(self, r: int, c: int) -> None:
+        self.wanted[r], self.in_reduce[r] = None, c
+        self.feed(SnapshotReady(rank=r, cycle=c, step=self.step[r]))
+        if self.cpu:
+            self.entered.setdefault(c, set()).add(r)
+            self._maybe_reduced(c)
+        else:
+            self._enter_collective(r, c)
+
+    def _maybe_reduced(self, c: int) -> None:
+        ranks = self.expected.get(c)
+        if not ranks or not ranks <= self.entered.get(c, set()):
+            return
+        del self.expected[c]
+        self.feed(ReduceDone(c, tuple(sorted(ranks)), float(len(ranks))))
+        self._ack(sorted(ranks), c)
+
+    def _enter_collective(self, r: int, c: int) -> None:
+        entered = self.entered.setdefault((c, self.session[r]), set())
+        entered.add(r)
+        if set(self.members[r]) <= entered:
+            self._ack(self.members[r], c)
+
+    def _ack(self, ranks: Sequence[int], c: int) -> None:
+        for r in ranks:
+            if r not in self.out and self.in_reduce[r] == c:
+                self.in_reduce[r] = None
+                self.waiting[r] = self.cpu and self.config.elche.policy != "async"
+                self.feed(SyncAck(rank=r, cycle=c, step=self.step[r], session=self.session[r]))
+
+
+def of(effects: Sequence[Any], kind: type) -> list[Any]:
+    return [e for e in effects if isinstance(e, kind)]
+
+
+def sends(effects: Sequence[Any], kind: type) -> list[tuple[int, Any]]:
+    return [(e.rank, e.frame) for e in effects if isinstance(e, Send) and isinstance(e.frame, kind)]
+
+
+def plan(offset: int, size: int, epoch: int = 0) -> EpochPlan:
+    return EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size)
+
+
+def session(number: int, *, new_rank: int, ranks: list[int]) -> NewSession:
+    return NewSession(
+        session=number,
+        store_prefix=f"run/s{number}",
+        new_rank=new_rank,
+        new_world_size=len(ranks),
+        ranks=ranks,
+    )
+
+
+def index(trace: Sequence[Any], pred: Callable[[Any], bool]) -> int:
+    return next(i for i, e in enumerate(trace) if pred(e))
+
+
+def joined(mode: str = "cpu_cadence", world_size: int = 2, **kw: Any) -> Cluster:
+    cluster = Cluster(make_config(mode, world_size, **kw))
+    cluster.join()
+    return cluster
+
+
+def heartbeat_all(c: Cluster, ranks: Sequence[int]) -> None:
+    for r in ranks:
+        c.feed(Heartbeat(rank=r, step=c.step[r]))
+
+
+# =============================================================================================
+# Handshake and formation
+# =============================================================================================
+
+
+def test_production_constants() -> None:
+    config = make_config()
+    assert config.heartbeat_timeout_s == 30.0
+    assert config.stall_ceiling_s == 300.0
+    assert config.join_timeout_s == 300.0
+
+
+def test_hello_is_accepted_with_the_run_parameters() -> None:
+    coord = Coordinator(make_config(), random.Random(0))
+    effects = coord.handle(hello(0), 0.0)
+    assert effects == [
+        Reply(Accept(run_id="run", rank=0, world_size=2, session=0, heartbeat_timeout_s=30.0))
+    ]
+    assert coord.phase is RunPhase.FORMING
+    assert coord.liveness.state(0) is RankState.ALIVE
+
+
+@pytest.mark.parametrize(
+    ("frame", "needle"),
+    [
+        (hello(0, protocol=2), "protocol 2 not supported"),
+        (hello(0, run_id="other"), "run id 'other'"),
+        (hello(0, world_size=3), "world size 3"),
+        (hello(2), "rank 2 out of range"),
+    ],
+)
+def test_hello_refusals_carry_a_reason(frame: Hello, needle: str) -> None:
+    coord = Coordinator(make_config(), random.Random(0))
+    effects = coord.handle(frame, 0.0)
+    assert len(effects) == 2
+    reply, refuse = effects
+    assert isinstance(reply, Reply) and isinstance(reply.frame, Reject)
+    assert needle in reply.frame.reason
+    assert refuse == RefusePeer(reply.frame.reason)
+    assert coord.liveness.joined_count() == 0
+    assert coord.handle(hello(0), 0.0)[0] == Reply(  # the real rank 0 can still join
+        Accept(run_id="run", rank=0, world_size=2, heartbeat_timeout_s=30.0)
+    )
+
+
+def refusal(effects: list[Effect]) -> str:
+    assert [type(e) for e in effects] == [Reply, RefusePeer]
+    reply = effects[0]
+    assert isinstance(reply, Reply) and isinstance(reply.frame, Reject)
+    return reply.frame.reason
+
+
+def test_duplicate_rank_is_refused() -> None:
+    coord = Coordinator(make_config(world_size=3), random.Random(0))
+    coord.handle(hello(1, 3), 0.0)
+    assert "duplicate rank" in refusal(coord.handle(hello(1, 3), 0.5))
+    assert coord.phase is RunPhase.FORMING
+    assert coord.liveness.joined_count() == 1
+
+
+def test_mismatched_model_signature_is_refused() -> None:
+    coord = Coordinator(make_config(), random.Random(0))
+    coord.handle(hello(0), 0.0)
+    reason = refusal(coord.handle(hello(1, model_signature="b" * 64), 0.0))
+    assert "model signature" in reason and "bbbbbbbbbbbb" in reason
+    assert coord.phase is RunPhase.FORMING
+    assert coord.liveness.state(1) is RankState.JOINING
+
+
+def test_a_dead_rank_cannot_rejoin() -> None:
+    c = joined()
+    c.kill(1)
+    reason = refusal(c.feed(hello(1)))
+    assert "declared dead" in reason
+    assert c.coord.liveness.state(1) is RankState.DEAD
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_sync", "cpu_async"])
+def test_formation_completes_when_every_rank_joined_cpu(mode: str) -> None:
+    coord = Coordinator(make_config(mode), random.Random(0))
+    first = coord.handle(hello(0), 0.0)
+    assert sends(first, StartEpoch) == [] and of(first, OpenReduce) == []
+    last = coord.handle(hello(1), 0.1)
+    assert coord.phase is RunPhase.TRAINING
+    assert of(last, OpenReduce) == [OpenReduce(0, (0, 1))]
+    starts = sends(last, StartEpoch)
+    assert [r for r, _ in starts] == [0, 1]
+    plans = [(f.plan.partition_offset, f.plan.partition_size) for _, f in starts]
+    if mode == "cpu_async":  # uncalibrated probe chunk of 4 batches, then the edge schedule
+        assert plans == [(0, 128), (128, 320)]
+    else:
+        assert plans == [(0, 320), (320, 320)]
+    roles = index(last, lambda e: isinstance(e, Send) and isinstance(e.frame, SetEpochCallbackRole))
+    assert roles < index(last, lambda e: isinstance(e, Send) and isinstance(e.frame, StartEpoch))
+    assert index(last, lambda e: isinstance(e, OpenReduce)) < roles
+
+
+@pytest.mark.parametrize("mode", ["nccl_cadence", "nccl_sync"])
+def test_formation_completes_when_every_rank_joined_collective(mode: str) -> None:
+    c = Cluster(make_config(mode))
+    c.join()
+    assert c.coord.phase is RunPhase.TRAINING
+    assert of(c.trace, OpenReduce) == []
+    assert [r for r, _ in sends(c.trace, StartEpoch)] == [0, 1]
+
+
+def test_formation_timeout_at_exactly_300s_names_the_missing_ranks() -> None:
+    c = Cluster(make_config(world_size=3))
+    c.feed(hello(0, 3))
+    for t in range(20, 300, 20):  # rank 0 is alive and well; ranks 1 and 2 never come
+        c.clock.advance_to(float(t))
+        c.feed(Heartbeat(rank=0, step=0))
+        assert of(c.tick(), RunOver) == []
+    c.clock.advance_to(299.999)
+    assert of(c.tick(), RunOver) == []
+    assert c.coord.next_deadline() == 300.0
+    c.clock.advance_to(300.0)
+    effects = c.tick()
+    over = of(effects, RunOver)
+    assert len(over) == 1 and over[0].ok is False
+    assert "formation timeout" in over[0].reason and "[1, 2]" in over[0].reason
+    assert (0, Shutdown()) in sends(effects, Shutdown)
+    assert of(effects, RankDead) == []
+    assert c.coord.done and c.coord.next_deadline() is None
+    c.clock.advance(60.0)
+    assert c.tick() == []
+
+
+# =============================================================================================
+# Liveness
+# =============================================================================================
+
+
+def test_silent_rank_is_evicted_at_exactly_30s() -> None:
+    c = joined()
+    for t in (10.0, 20.0):
+        c.clock.advance_to(t)
+        c.feed(Heartbeat(rank=0, step=0))
+    c.clock.advance_to(29.999)
+    early = c.tick()
+    assert all(isinstance(e, Send) and isinstance(e.frame, CoordHeartbeat) for e in early)
+    assert c.coord.next_deadline() == 30.0
+    c.clock.advance_to(30.0)
+    effects = c.tick()
+    dead = of(effects, RankDead)
+    assert len(dead) == 1 and dead[0].rank == 1
+    assert "heartbeat timeout" in dead[0].reason and "30" in dead[0].reason
+    assert Close(1, dead[0].reason) in effects
+    assert [a.cls for a in of(effects, Alert)] == ["rank_lost"]
+    assert c.coord.liveness.alive() == [0]
+
+
+def test_tick_at_next_deadline_evicts_with_a_fractional_last_seen() -> None:
+    c = joined()
+    c.clock.advance_to(0.7)
+    heartbeat_all(c, (0, 1))
+    c.clock.advance_to(20.0)
+    c.feed(Heartbeat(rank=0, step=0))
+    c.clock.advance_to(29.999)
+    c.tick()
+    # Follow next_deadline() like the shell's timer: it may fire early (a cached lower bound,
+    # e.g. the coordinator heartbeat) but never late, and never re-arms the instant it fired at.
+    dead: list[int] = []
+    for _ in range(10):
+        deadline = c.coord.next_deadline()
+        assert deadline is not None
+        assert deadline <= 0.7 + 30.0
+        c.clock.advance_to(deadline)
+        dead = [d.rank for d in of(c.tick(), RankDead)]
+        assert c.coord.next_deadline() != deadline
+        if dead:
+            break
+    assert dead == [1]
+    assert c.clock.now == 0.7 + 30.0
+
+
+def test_any_frame_refreshes_liveness() -> None:
+    c = joined()
+    c.clock.advance_to(29.0)
+    c.feed(Heartbeat(rank=0, step=0))
+    c.feed(batch(1, 1))  # a batch counts as much as a heartbeat
+    c.clock.advance_to(58.999)
+    assert of(c.tick(), RankDead) == []
+    assert c.coord.next_deadline() == 59.0
+    c.clock.advance_to(59.0)
+    assert sorted(d.rank for d in of(c.tick(), RankDead)) == [0, 1]
+
+
+def test_coordinator_heartbeat_every_second() -> None:
+    c = joined(world_size=3)
+    c.clock.advance_to(0.5)
+    assert c.tick() == []
+    c.clock.advance_to(1.0)
+    assert c.tick() == [Send(r, CoordHeartbeat()) for r in range(3)]
+    c.clock.advance_to(1.5)
+    assert c.tick() == []
+    assert c.coord.next_deadline() == 2.0
+    c.kill(1)
+    c.clock.advance_to(2.0)
+    assert c.tick() == [Send(0, CoordHeartbeat()), Send(2, CoordHeartbeat())]
+
+
+# =============================================================================================
+# Exits
+# =============================================================================================
+
+
+def test_child_exit_is_the_fast_death_path() -> None:
+    c = joined()
+    c.clock.advance_to(0.25)
+    effects = c.feed(ChildExited(1, -9))
+    assert effects[0] == RankDead(1, "process exited with code -9")
+    assert c.coord.liveness.state(1) is RankState.DEAD
+    assert c.feed(ChildExited(1, -9)) == []  # declared once
+
+
+def test_supervisor_rank_exited_and_peer_lost_are_deaths_too() -> None:
+    c = joined(world_size=3)
+    accept = c.feed(hello(0, 3, role="supervisor"))
+    assert [type(e) for e in accept] == [Reply]
+    effects = c.feed(RankExited(rank=2, exit_code=137))
+    assert of(effects, RankDead) == [RankDead(2, "process exited with code 137")]
+    lost = of(c.feed(PeerLost(1, "eof")), RankDead)
+    assert lost == [RankDead(1, "connection lost: eof")]
+
+
+def test_exiting_before_the_end_is_a_death() -> None:
+    c = joined()
+    effects = c.feed(Exiting(rank=1))
+    assert of(effects, RankDead) == [RankDead(1, "rank exited before the run ended")]
+
+
+def test_exiting_during_shutdown_is_clean_and_a_late_peer_lost_changes_nothing() -> None:
+    c = joined()
+    c.run(until=lambda: c.coord.phase is RunPhase.SHUTDOWN)
+    assert sends(c.trace, Shutdown) == [(0, Shutdown()), (1, Shutdown())]
+    assert c.feed(Exiting(rank=0)) == []
+    assert c.coord.liveness.state(0) is RankState.EXITED
+    assert c.feed(PeerLost(0, "eof")) == []
+    assert c.feed(ChildExited(0, 0)) == []
+    c.clock.advance_to(45.0)  # the exited rank is never stale; rank 1 is, and only rank 1
+    assert [d.rank for d in of(c.tick(), RankDead)] == [1]
+    assert of(c.trace, RankDead)[0].rank == 1
+
+
+def test_clean_run_end_is_never_a_death() -> None:
+    c = joined()
+    c.run(until=lambda: c.coord.phase is RunPhase.SHUTDOWN)
+    c.feed(Exiting(rank=0))
+    effects = c.feed(Exiting(rank=1))
+    assert effects == [RunOver(ok=True, reason="run complete", save_reason=None)]
+    assert of(c.trace, RankDead) == []
+    assert c.feed(PeerLost(1, "eof")) == []
+    assert c.coord.done and c.coord.next_deadline() is None
+
+
+# =============================================================================================
+# Averaging cycles
+# =============================================================================================
+
+
+def test_cpu_cadence_cycle_end_to_end() -> None:
+    c = joined("cpu_cadence", dataset_len=1280)  # 40 batches, anchor 10: 2 windows + tail
+    c.run()
+    t = c.trace
+    assert [(r, f.plan.partition_offset) for r, f in sends(t, StartEpoch)] == [(0, 0), (1, 320)]
+    trigger = index(t, lambda e: isinstance(e, OpenReduce) and e.cycle == 1)
+    assert of(t[:trigger], Batch) == [batch(r, s) for s in range(1, 11) for r in (0, 1)]
+    assert t[trigger] == OpenReduce(1, (0, 1))
+    assert sends(t[trigger : trigger + 3], RequestParams) == [
+        (0, RequestParams(cycle=1)),
+        (1, RequestParams(cycle=1)),
+    ]
+    update = index(t, lambda e: isinstance(e, Send) and isinstance(e.frame, Update))
+    for needed in (
+        SnapshotReady(rank=0, cycle=1, step=10),
+        SnapshotReady(rank=1, cycle=1, step=10),
+        ReduceDone(1, (0, 1), 2.0),
+        SyncAck(rank=0, cycle=1, step=10),
+        SyncAck(rank=1, cycle=1, step=10),
+    ):
+        assert trigger < t.index(needed) < update
+    assert sends(t[update : update + 4], Update) == [
+        (0, Update(version=1, next_plan=plan(640, 320))),  # the next chunk, folded in
+        (1, Update(version=1, next_plan=plan(960, 320))),
+    ]
+    assert sends(t[update : update + 4], SetGlobalStep)[0] == (0, SetGlobalStep(global_step=20))
+    assert sends(c.trace, Throttle) == []  # cadence never throttles
+    done = of(t, EpochDone)
+    assert [d.metrics.epoch for d in done] == [0]
+    assert sum(done[0].metrics.per_rank_samples) == 1280
+    coverage = c.coord.coverage(0)
+    assert coverage is not None and coverage.ok and coverage.committed == 40
+    assert index(t, lambda e: isinstance(e, EpochDone)) < t.index(Send(0, Shutdown()))
+    assert t.index(Send(1, Shutdown())) < t.index(Exiting(rank=1))
+    assert t[-1] == RunOver(ok=True, reason="run complete", save_reason=None)
+    assert of(t, RankDead) == []
+    assert c.coord.global_step == 40
+
+
+def test_cpu_finalize_waits_for_every_ack_and_the_reduce_done() -> None:
+    c = joined("cpu_cadence", dataset_len=1280)
+    for s in range(1, 11):
+        assert of(c.feed(batch(0, s)), OpenReduce) == []
+        effects = c.feed(batch(1, s))
+        assert (of(effects, OpenReduce) != []) == (s == 10)  # count gate, never earlier
+    assert c.coord.cycle.pending and c.coord.cycle.number == 1
+    assert c.feed(SnapshotReady(rank=0, cycle=1, step=10)) == []
+    assert c.feed(SnapshotReady(rank=1, cycle=1, step=10)) == []
+    assert c.feed(SyncAck(rank=0, cycle=1, step=10)) == []
+    assert c.feed(ReduceDone(1, (0, 1), 2.0)) == []
+    assert c.feed(SyncAck(rank=1, cycle=0, step=10)) == []  # a stale cycle's ack is ignored
+    assert c.feed(ReduceDone(0, (0, 1), 2.0)) == []  # so is a stale round's reduce
+    assert c.coord.cycle.pending
+    effects = c.feed(SyncAck(rank=1, cycle=1, step=10))
+    assert [r for r, _ in sends(effects, Update)] == [0, 1]
+    assert not c.coord.cycle.pending
+    assert c.coord.sync_rounds == 1
+    assert c.feed(SyncAck(rank=1, cycle=1, step=10)) == []  # never folded twice
+    assert c.coord.sync_rounds == 1
+
+
+def test_cpu_cycle_without_reduce_done_never_finalizes() -> None:
+    c = joined("cpu_cadence", dataset_len=1280)
+    for s in range(1, 11):
+        c.feed(batch(0, s))
+        c.feed(batch(1, s))
+    for r in (0, 1):
+        c.feed(SnapshotReady(rank=r, cycle=1, step=10))
+        assert c.feed(SyncAck(rank=r, cycle=1, step=10)) == []
+    assert c.coord.cycle.pending and sends(c.trace, Update) == []
+
+
+def test_cpu_sync_cycle_sends_throttle_with_request_params() -> None:
+    c = joined("cpu_sync")
+    assert c.feed(batch(0, 1)) == []
+    effects = c.feed(batch(1, 1))
+    assert effects == [
+        OpenReduce(1, (0, 1)),
+        Send(0, RequestParams(cycle=1)),
+        Send(0, Throttle()),
+        Send(1, RequestParams(cycle=1)),
+        Send(1, Throttle()),
+    ]
+
+
+def test_cpu_max_batch_diff_throttles_a_rank_that_runs_ahead_once() -> None:
+    config = validated(
+        CoordConfig,
+        world_size=2,
+        dataset_len=1280,
+        batch_size=BS,
+        elche=ElCheConfig.cpu_cadence(max_batch_diff=2),
+    )
+    c = Cluster(config)
+    c.join()
+    throttles = [sends(c.feed(batch(0, s)), Throttle) for s in range(1, 6)]
+    assert throttles == [[], [], [(0, Throttle())], [], []]  # 3 > 0 + 2, then once per window
+    assert sends(c.feed(batch(1, 1)), Throttle) == []
+
+
+def test_role_rank_death_rebroadcasts_the_epoch_callback_role() -> None:
+    c = joined("cpu_cadence", world_size=3, dataset_len=3200)
+    assert sends(c.trace, SetEpochCallbackRole)[0] == (0, SetEpochCallbackRole(rank=0))
+    effects = c.kill(0)
+    assert sends(effects, SetEpochCallbackRole) == [
+        (1, SetEpochCallbackRole(rank=1)),
+        (2, SetEpochCallbackRole(rank=1)),
+    ]
+    assert sends(c.kill(2), SetEpochCallbackRole) == []  # not a role rank: nothing moves
+
+
+@pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence"])
+def test_collective_cycle_sends_sync_now(mode: str) -> None:
+    c = joined(mode)
+    steps = 1 if mode == "nccl_sync" else 10
+    effects: list[Effect] = []
+    for s in range(1, steps + 1):
+        c.feed(batch(0, s))
+        effects = c.feed(batch(1, s))
+    assert effects == [Send(0, SyncNow(cycle=1)), Send(1, SyncNow(cycle=1))]
+    assert sends(c.trace, RequestParams) == [] and of(c.trace, OpenReduce) == []
+
+
+def test_collective_death_reforms_the_session_with_renumbered_ranks() -> None:
+    c = joined("nccl_cadence", world_size=4, dataset_len=6400)
+    effects = c.kill(0)
+    survivors = [1, 2, 3]
+    assert sends(effects, DeclareDead) == [
+        (r, DeclareDead(rank=0, reason="process exited with code -9")) for r in survivors
+    ]
+    assert sends(effects, NewSession) == [
+        (r, session(1, new_rank=i, ranks=survivors)) for i, r in enumerate(survivors)
+    ]
+    effects = c.kill(2)
+    assert sends(effects, NewSession) == [
+        (1, session(2, new_rank=0, ranks=[1, 3])),
+        (3, session(2, new_rank=1, ranks=[1, 3])),
+    ]
+    assert sends(effects, ShutdownWithSave) == []
+
+
+def test_cpu_death_sends_no_session_frames() -> None:
+    c = joined("cpu_cadence", world_size=3, dataset_len=3200)
+    effects = c.kill(1)
+    assert sends(effects, DeclareDead) == [] and sends(effects, NewSession) == []
+    assert sends(effects, ShutdownWithSave) == []
+
+
+# =============================================================================================
+# Stall ceiling and failure thresholds
+# =============================================================================================
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_cadence"])
+def test_stall_ceiling_at_exactly_300s(mode: str) -> None:
+    c = joined(mode, dataset_len=1280)
+    for s in range(1, 11):
+        c.feed(batch(0, s))
+        c.feed(batch(1, s))
+    assert c.coord.cycle.pending and c.coord.cycle.pending_since_at == 0.0
+    c.feed(SnapshotReady(rank=0, cycle=1, step=10))
+    if mode == "nccl_cadence":
+        c.feed(SyncAck(rank=0, cycle=1, step=10))  # rank 1 never acks
+    for t in range(10, 300, 10):  # both ranks heartbeat all along
+        c.clock.advance_to(float(t))
+        heartbeat_all(c, (0, 1))
+        c.tick()
+    c.clock.advance_to(299.9)
+    heartbeat_all(c, (0, 1))
+    assert [e for e in c.tick() if not isinstance(e, Send)] == []
+    assert c.coord.next_deadline() == 300.0
+    c.clock.advance_to(300.0)
+    effects = c.tick()
+    alerts = of(effects, Alert)
+    assert [(a.cls, a.severity) for a in alerts] == [("reduce_stall", "critical")]
+    assert "waiting for ranks" in alerts[0].detail and "300" in alerts[0].detail
+    if mode == "nccl_cadence":
+        assert "[1]" in alerts[0].detail
+    stops = sends(effects, ShutdownWithSave)
+    assert [(r, f.reason) for r, f in stops] == [(0, "reduce_stall"), (1, "reduce_stall")]
+    metas = of(effects, WriteMeta)
+    assert len(metas) == 1 and metas[0].meta["save_reason"] == "reduce_stall"
+    assert effects.index(metas[0]) < effects.index(Send(0, stops[0][1]))  # meta first
+    assert of(effects, RankDead) == []
+    c.clock.advance_to(301.0)
+    heartbeat_all(c, (0, 1))
+    later = c.tick()
+    assert sends(later, ShutdownWithSave) == [] and of(later, Alert) == []
+    c.feed(Exiting(rank=0))
+    over = c.feed(Exiting(rank=1))
+    assert over == [
+        RunOver(ok=False, reason="run stopped: reduce_stall", save_reason="reduce_stall")
+    ]
+
+
+def test_max_failure_absolute_broadcasts_one_shutdown_with_save() -> None:
+    c = joined("cpu_cadence", world_size=3, dataset_len=3200, max_failure=MaxFailure(absolute=1))
+    effects = c.kill(1)
+    stops = sends(effects, ShutdownWithSave)
+    assert [(r, f.reason) for r, f in stops] == [
+        (0, "max_failure_exceeded"),
+        (2, "max_failure_exceeded"),
+    ]
+    assert "1 of 3" in stops[0][1].detail
+    metas = of(effects, WriteMeta)
+    assert len(metas) == 1 and metas[0].meta["save_reason"] == "max_failure_exceeded"
+    assert c.coord.phase is RunPhase.SHUTDOWN
+    second = c.kill(2)
+    assert of(second, RankDead) == [RankDead(2, "process exited with code -9")]
+    assert sends(second, ShutdownWithSave) == [] and of(second, WriteMeta) == []
+    assert len(sends(c.trace, ShutdownWithSave)) == 2
+    over = c.feed(Exiting(rank=0))
+    assert over == [
+        RunOver(
+            ok=False,
+            reason="run stopped: max_failure_exceeded",
+            save_reason="max_failure_exceeded",
+        )
+    ]
+
+
+def test_collective_with_two_ranks_stops_on_single_survivor() -> None:
+    c = joined("nccl_cadence")
+    effects = c.kill(1)
+    assert [(r, f.reason) for r, f in sends(effects, ShutdownWithSave)] == [(0, "single_survivor")]
+    assert sends(effects, NewSession) == []
+    assert [m.meta["save_reason"] for m in of(effects, WriteMeta)] == ["single_survivor"]
+
+
+def test_cpu_losing_every_rank_is_all_ranks_lost() -> None:
+    c = joined("cpu_cadence")
+    assert sends(c.kill(0), ShutdownWithSave) == []  # CPU goes on with one rank
+    effects = c.kill(1)
+    assert [m.meta["save_reason"] for m in of(effects, WriteMeta)] == ["all_ranks_lost"]
+    assert of(effects, RunOver) == [
+        RunOver(ok=False, reason="run stopped: all_ranks_lost", save_reason="all_ranks_lost")
+    ]
+
+
+# =============================================================================================
+# Protocol violations
+# =============================================================================================
+
+
+def test_batch_for_an_epoch_never_given_evicts_only_that_rank() -> None:
+    c = joined("cpu_cadence", world_size=3, dataset_len=3200)
+    effects = c.feed(batch(0, 1, epoch=5))
+    dead = of(effects, RankDead)
+    assert len(dead) == 1 and dead[0].rank == 0
+    assert "protocol violation" in dead[0].reason and "epoch 5" in dead[0].reason
+    assert c.coord.liveness.alive() == [1, 2]
+    assert c.coord.in_flight(0) == 0  # its chunk went back to the pool
+    assert of(c.feed(batch(1, 1)), RankDead) == []
+
+
+def test_batch_beyond_the_granted_chunk_is_a_protocol_violation() -> None:
+    c = joined("cpu_cadence", dataset_len=1280)
+    for s in range(1, 11):
+        assert of(c.feed(batch(0, s)), RankDead) == []
+    dead = of(c.feed(batch(0, 11)), RankDead)
+    assert len(dead) == 1 and "protocol violation" in dead[0].reason
+
+
+def test_frames_from_dead_or_unknown_ranks_change_nothing() -> None:
+    c = joined()
+    c.kill(1)
+    assert c.feed(batch(1, 1)) == []
+    assert c.feed(Heartbeat(rank=1, step=3)) == []
+    assert c.feed(Heartbeat(rank=7, step=3)) == []
+    assert c.feed(ChildExited(7, -9)) == []
+    assert c.coord.liveness.alive() == [0]
+
+
+# =============================================================================================
+# Dead-rank work
+# =============================================================================================
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_cadence", "cpu_async"])
+def test_dead_rank_chunk_is_redispatched_to_a_survivor(mode: str) -> None:
+    c = joined(mode, world_size=3, dataset_len=3200)  # 100 batches
+    c.run(until=lambda: c.step[1] >= 3)
+    lost = c.coord.works[0].outstanding(1)[0]
+    cut = len(c.trace)
+    c.kill(1)
+    c.run()
+    plans = [
+        (r, f.plan if isinstance(f, StartEpoch) else f.next_plan)
+        for e in c.trace[cut:]
+        if isinstance(e, Send)
+        for r, f in [(e.rank, e.frame)]
+        if isinstance(f, StartEpoch) or (isinstance(f, Update) and f.next_plan is not None)
+    ]
+    at = lost.start * BS
+    regranted = [
+        r for r, p in plans if p.partition_offset <= at < p.partition_offset + p.partition_size
+    ]
+    assert regranted and set(regranted) <= {0, 2}
+    coverage = c.coord.coverage(0)
+    assert coverage is not None and coverage.ok and coverage.committed == 100
+    assert of(c.trace, RunOver) == [RunOver(ok=True, reason="run complete", save_reason=None)]
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_cadence"])
+def test_death_inside_the_final_window_still_closes_the_epoch(mode: str) -> None:
+    # 20 batches, anchor 10: the first window is already the epoch's final window. The dead
+    # rank's chunk returns to the pool and must still be trained by the survivor.
+    c = joined(mode, world_size=2 if mode == "cpu_cadence" else 3, dataset_len=640)
+    c.run(until=lambda: c.step[1] >= 3)
+    c.kill(1)
+    c.run()
+    coverage = c.coord.coverage(0)
+    assert coverage is not None and coverage.committed == coverage.total, (
+        f"epoch wedged: {c.coord.works}, final plans {c.coord.final_plans}"
+    )
+    assert of(c.trace, RunOver) == [RunOver(ok=True, reason="run complete", save_reason=None)]
+
+
+@pytest.mark.parametrize("mode", ["cpu_sync", "nccl_sync"])
+def test_dead_rank_partition_is_split_among_survivors(mode: str) -> None:
+    c = joined(mode, world_size=3, dataset_len=960)  # 30 batches: partitions of 10
+    c.run(until=lambda: c.step[1] >= 3)
+    cut = len(c.trace)
+    c.kill(1)
+    c.run()
+    extends = sends(c.trace[cut:], ExtendPartition)
+    assert {r for r, _ in extends} == {0, 2}
+    pieces = sorted(
+        BatchRange(f.partition_offset // BS, (f.partition_offset + f.partition_size) // BS)
+        for _, f in extends
+    )
+    assert pieces[-1].stop == 20  # rank 1's partition was [10, 20)
+    assert all(a.stop == b.start for a, b in itertools.pairwise(pieces))
+    assert abs(pieces[0].size - pieces[-1].size) <= 1  # split equally
+    coverage = c.coord.coverage(0)
+    assert coverage is not None and coverage.ok and coverage.committed == 30
+    assert of(c.trace, RunOver) == [RunOver(ok=True, reason="run complete", save_reason=None)]
+
+
+# =============================================================================================
+# Checkpoint meta
+# =============================================================================================
+
+
+def test_meta_record_shape() -> None:
+    c = joined("cpu_cadence", dataset_len=1280)
+    c.run(until=lambda: c.coord.sync_rounds == 1)
+    meta = c.coord.meta_record("graceful_shutdown")
+    assert set(meta) == {
+        "schema_version",
+        "epoch",
+        "global_step",
+        "sync_round",
+        "world_size_at_save",
+        "save_reason",
+        "elche_state",
+        "coverage",
+    }
+    assert meta["schema_version"] == META_SCHEMA_VERSION == 3
+    assert (meta["epoch"], meta["global_step"], meta["sync_round"]) == (0, 20, 1)
+    assert meta["world_size_at_save"] == 2
+    assert meta["save_reason"] == "graceful_shutdown"
+    elche = meta["elche_state"]
+    assert set(elche) == {
+        "anchor",
+        "anchor_rank",
+        "smoothed_ms_per_batch",
+        "phase",
+        "calibration_count",
+        "trend_history",
+    }
+    assert elche["anchor"] == c.coord.elche.anchor
+    assert len(elche["smoothed_ms_per_batch"]) == 2
+    assert isinstance(elche["trend_history"], list)
+    assert meta["coverage"] == {
+        "seed": 42,
+        "epoch_splits": 1,
+        "batch_size": BS,
+        "per_epoch": [
+            {"epoch": 0, "total_samples": 1280, "uncovered_ranges": [[640, 640]]},
+        ],
+    }  # batches [0, 20) are committed; [20, 40) = samples 640.. (offset, size) is not
+
+
+def test_meta_written_at_the_end_of_a_clean_run() -> None:
+    c = joined("cpu_cadence")
+    c.run()
+    metas = of(c.trace, WriteMeta)
+    assert [m.meta["save_reason"] for m in metas] == ["graceful_shutdown"]
+    meta = metas[0].meta
+    assert meta["epoch"] == 1 and meta["global_step"] == 20
+    assert meta["coverage"]["per_epoch"] == []
+
+
+# =============================================================================================
+# Progress watchdog (a wedged cohort: alive, heartbeating, training nothing)
+# =============================================================================================
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_sync"])
+def test_a_wedged_cohort_ends_in_shutdown_with_save_at_the_stall_ceiling(mode: str) -> None:
+    c = joined(mode)
+    start = c.clock.now
+    # Ranks stay alive (heartbeats every second) but never train: a stuck data loader, say.
+    while c.clock.now < start + 299.0:
+        c.clock.advance(1.0)
+        heartbeat_all(c, (0, 1))
+        effects = c.tick()
+        assert of(effects, ShutdownWithSave) == []
+    deadline = c.coord.next_deadline()
+    assert deadline is not None
+    assert deadline <= start + 300.0
+    c.clock.advance_to(start + 300.0)
+    heartbeat_all(c, (0, 1))
+    effects = c.tick()
+    alerts = [a for a in of(effects, Alert) if a.cls == "reduce_stall"]
+    assert len(alerts) == 1
+    assert "no training progress" in alerts[0].detail
+    saves = [s for s in of(effects, Send) if isinstance(s.frame, ShutdownWithSave)]
+    assert sorted(s.rank for s in saves) == [0, 1]
+    assert {s.frame.reason for s in saves} == {"reduce_stall"}
+    assert len(of(effects, WriteMeta)) == 1
+    # it fires once
+    c.clock.advance(1.0)
+    assert of(c.tick(), Alert) == []
+
+
+def test_training_progress_keeps_the_watchdog_quiet() -> None:
+    c = joined("cpu_cadence")
+    c.clock.advance(299.0)
+    heartbeat_all(c, (0, 1))
+    c.feed(batch(0, 0))
+    c.clock.advance(299.0)
+    heartbeat_all(c, (0, 1))
+    assert [a for a in of(c.tick(), Alert) if a.cls == "reduce_stall"] == []
