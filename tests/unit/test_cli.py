@@ -33,6 +33,51 @@ def test_unknown_option_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
 def test_python_dash_m_is_the_same_entry() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "flodl", "--version"],
-        capture_output=True, text=True, timeout=60, check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     assert out.stdout.strip() == f"flodl {flodl.__version__}"
+
+
+def test_sim_prints_every_requested_mode_next_to_solo(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        ["sim", "--speeds", "1,3", "--dataset-len", "6400", "--modes", "cpu_cadence,nccl_sync"]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines()[2:]}
+    assert set(rows) == {"solo", "cpu_cadence", "nccl_sync"}
+    assert "2 ranks, ms/batch [10.0, 30.0]" in out
+
+
+def test_sim_json_is_machine_readable(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    rc = main(["sim", "--speeds", "1,1", "--dataset-len", "3200", "--modes", "cpu_async", "--json"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == {"solo", "cpu_async"}
+    assert data["cpu_async"]["ok"] is True
+    assert data["cpu_async"]["syncs"] > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--speeds", "1,x"], "non-numeric"),
+        (["--speeds", "1,-2"], "finite number > 0"),
+        (["--speeds", "1,,2"], "comma-separated"),
+        (["--speeds", "1", "--modes", "cpu_fast"], "unknown ['cpu_fast']"),
+        (["--speeds", "1", "--epochs", "0"], "--epochs must be >= 1"),
+        (["--speeds", "1", "--base-ms", "nan"], "--base-ms must be a finite number > 0"),
+    ],
+)
+def test_sim_rejects_bad_input_with_a_clear_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["sim", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flodl sim: error:")
+    assert message in err
