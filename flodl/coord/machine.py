@@ -524,7 +524,6 @@ class Coordinator:
                     self._on_checkpoint_result(frame, out)
                 case EpochFnElapsed():
                     self.roles.observe_cost("epoch_fn", rank, frame.elapsed_ms)
-                    self.ranks[rank].window.absorb_callback(frame.elapsed_ms)
                 case ResourceSample():
                     out.append(Record(self.paths[rank], "resource", frame.model_dump()))
                 case Exiting():
@@ -644,13 +643,14 @@ class Coordinator:
             for rank, ranges in enumerate(pieces):
                 for rng in ranges:
                     work.assign(rank, rng)
-                    out.append(Send(rank, StartEpoch(plan=self._plan(epoch, rng))))
+                    plan = self._plan(epoch, rng, tail=True)  # a whole-epoch partition
+                    out.append(Send(rank, StartEpoch(plan=plan)))
                 self._refresh(rank)
         return work
 
-    def _plan(self, epoch: int, rng: BatchRange) -> EpochPlan:
+    def _plan(self, epoch: int, rng: BatchRange, *, tail: bool = False) -> EpochPlan:
         offset, size = to_samples(rng, self._bs)
-        return EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size)
+        return EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size, epoch_tail=tail)
 
     def _advance_epochs(self, now: float, out: list[Effect]) -> None:
         """Close finished epochs in order, open the next one, dispatch, or end the run."""
@@ -722,7 +722,7 @@ class Coordinator:
         self._refresh(rank)
         if final_slot is not None:
             self.final_plans[work.epoch][1][rank] = max(0, final_slot - rng.size)
-        return self._plan(work.epoch, rng)
+        return self._plan(work.epoch, rng, tail=work.remaining() == 0)
 
     def _final_slot(self, work: EpochWork, rank: int) -> int | None:
         counts, alive, _ = self._cohort()
@@ -1244,7 +1244,6 @@ class Coordinator:
 
     def _on_checkpoint_result(self, res: CheckpointResult, out: list[Effect]) -> None:
         self.roles.observe_cost("checkpoint", res.rank, res.elapsed_ms)
-        self.ranks[res.rank].window.absorb_callback(res.elapsed_ms)
         retry = self.checkpoints.get(res.version)
         if retry is None or retry.target != res.rank:
             return
@@ -1257,7 +1256,6 @@ class Coordinator:
 
     def _on_eval_result(self, res: EvalResult, now: float, out: list[Effect]) -> None:
         self.roles.observe_cost("eval", res.rank, res.elapsed_ms)
-        self.ranks[res.rank].window.absorb_callback(res.elapsed_ms)
         if res.error is None and res.metric is not None:
             out.append(EvalDone(res.epoch, res.metric))
             for r in self.liveness.alive():

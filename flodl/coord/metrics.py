@@ -154,10 +154,6 @@ class WindowStats:
         self.loss_sum += loss
         self.samples += samples
 
-    def absorb_callback(self, elapsed_ms: float) -> None:
-        """Callback wall time never counts as compute (flodl-spec.md §2.8)."""
-        self.compute_ms = max(0.0, self.compute_ms - elapsed_ms)
-
     def node(self, batch_share: float) -> dict[str, float]:
         """The rank's report node; metrics it did not measure are absent."""
         if self.steps == 0:

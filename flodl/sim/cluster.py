@@ -49,6 +49,7 @@ from flodl.errors import FlodlError
 from flodl.wire.frames import (
     Batch,
     DeclareDead,
+    EpochFnElapsed,
     EpochMetrics,
     EpochPlan,
     Exiting,
@@ -59,6 +60,7 @@ from flodl.wire.frames import (
     NewSession,
     RankFrame,
     RequestParams,
+    SetEpochCallbackRole,
     Shutdown,
     ShutdownWithSave,
     SnapshotReady,
@@ -140,7 +142,7 @@ class _SimRank:
     alive: bool = True
     hung: bool = False
     exited: bool = False
-    queue: deque[list[int]] = field(default_factory=deque)  # [epoch, batches_left]
+    queue: deque[list[int]] = field(default_factory=deque)  # [epoch, batches_left, tail]
     step: int = 0
     training: bool = False
     reduce_wanted: int | None = None
@@ -155,6 +157,9 @@ class _SimRank:
     samples: int = 0
     session: int = 0
     members: tuple[int, ...] = ()
+    role: int = 0
+    last_epoch: int = -1  # last epoch whose epoch_fn ran on this rank
+    in_callback: bool = False
 
 
 class SimCluster:
@@ -177,6 +182,8 @@ class SimCluster:
         detect_delay_s: launcher child-exit report latency for kills.
         max_failure: the run's failure budget.
         check_invariants: verify the invariants after every step (slower, for tests).
+        epoch_fn_ms: wall time of ``epoch_fn`` on the epoch-callback role rank at every epoch
+            transition (0: no epoch_fn); it blocks that rank's training, as a real callback.
         elche: ElChe overrides applied to the mode's preset.
     """
 
@@ -200,6 +207,7 @@ class SimCluster:
         max_failure: MaxFailure | None = None,
         check_invariants: bool = True,
         elche: dict[str, Any] | None = None,
+        epoch_fn_ms: float = 0.0,
     ) -> None:
         if len(speeds) != world_size:
             raise ValueError(f"speeds has {len(speeds)} entries for world_size {world_size}")
@@ -214,7 +222,9 @@ class SimCluster:
             elche=ElCheConfig.preset(mode, **(elche or {})),
             heartbeat_timeout_s=heartbeat_timeout_s,
             max_failure=max_failure,
+            has_epoch_fn=epoch_fn_ms > 0,
         )
+        self.epoch_fn_s = epoch_fn_ms / 1000.0
         self.mode = mode
         self.rng = random.Random(seed)
         self.seed = seed
@@ -316,6 +326,8 @@ class SimCluster:
             self._fault(payload)
         elif kind == "reduced":
             self._reduce_complete(payload)
+        elif kind == "callback_done":
+            self._callback_done(self.ranks[payload[0]], payload[1])
 
     # ------------------------------------------------------------------ coordinator effects
     def _apply(self, effects: list[Effect]) -> None:
@@ -361,8 +373,10 @@ class SimCluster:
             case StartEpoch(plan=plan):
                 self._enqueue(r, plan)
                 r.throttled = False
+            case SetEpochCallbackRole(rank=role):
+                r.role = role
             case ExtendPartition(epoch=epoch, partition_size=size):
-                r.queue.append([epoch, size // self.config.batch_size])
+                r.queue.append([epoch, size // self.config.batch_size, 0])
             case RequestParams(cycle=cycle) | SyncNow(cycle=cycle):
                 r.reduce_wanted = cycle
                 r.throttled = False
@@ -390,12 +404,29 @@ class SimCluster:
                 pass
         self._continue(r)
 
+    def _start_callback(self, r: _SimRank, epoch: int) -> None:
+        """``epoch_fn`` for the epoch that just ended: blocks training, then reports."""
+        r.in_callback = True
+        self._push(self.now + self.epoch_fn_s, "callback_done", (r.rank, epoch))
+
+    def _callback_done(self, r: _SimRank, epoch: int) -> None:
+        r.in_callback = False
+        if not r.alive or r.hung or r.exited:
+            return
+        frame = EpochFnElapsed(rank=r.rank, epoch=epoch, elapsed_ms=self.epoch_fn_s * 1000.0)
+        self._to_coord(frame, self.now + self._delay())
+        self._continue(r)
+
     def _enqueue(self, r: _SimRank, plan: EpochPlan) -> None:
-        r.queue.append([plan.epoch, plan.partition_size // self.config.batch_size])
+        r.queue.append(
+            [plan.epoch, plan.partition_size // self.config.batch_size, int(plan.epoch_tail)]
+        )
 
     def _continue(self, r: _SimRank) -> None:
         """At a step boundary: reduce if asked, else train the next batch if allowed."""
         if r.training or r.in_reduce is not None or not r.alive or r.hung or r.exited:
+            return
+        if r.in_callback:
             return
         if r.reduce_wanted is not None:
             self._enter_reduce(r, r.reduce_wanted)
@@ -451,6 +482,11 @@ class SimCluster:
                 at,
             )
             r.slice_batches, r.slice_loss, r.slice_ms = 0, 0.0, 0.0
+            # epoch_fn runs on the role rank when it finishes the epoch's tail slice
+            if head[2] and r.rank == r.role and self.epoch_fn_s > 0 and head[0] > r.last_epoch:
+                r.last_epoch = head[0]
+                self._start_callback(r, head[0])
+                return
         self._continue(r)
 
     def _enter_reduce(self, r: _SimRank, cycle: int) -> None:

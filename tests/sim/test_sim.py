@@ -125,3 +125,21 @@ def test_all_ranks_lost_ends_the_run() -> None:
     tr = _run("cpu_cadence", [10.0, 10.0], seed=4, failures=[Failure(0, 0.2), Failure(1, 0.2)])
     assert not tr.ok
     assert tr.save_reason == "all_ranks_lost"
+
+
+def test_slow_epoch_fn_is_not_mistaken_for_slow_compute_and_runs_in_slack() -> None:
+    base = SimCluster(3, "cpu_cadence", [10.0] * 3, dataset_len=32_000, epochs=4, seed=1).run()
+    sim = SimCluster(
+        3, "cpu_cadence", [10.0] * 3, dataset_len=32_000, epochs=4, seed=1, epoch_fn_ms=2000.0
+    )
+    tr = sim.run()
+    assert tr.ok
+    assert tr.coverage_ok == [True] * 4
+    role = sim.coord.roles.epoch_callback_role
+    assert sim.coord.roles.cost("epoch_fn", role) == 2000.0
+    speeds = sim.coord.elche.smoothed_ms
+    # 2 s callbacks never enter the role rank's ms/batch
+    assert max(speeds) / min(speeds) < 1.05
+    # 4 callbacks × 2 s = 8 s of callback time; run in the role rank's pre-shrunk final window,
+    # most of it overlaps the others' compute
+    assert tr.wall_s < base.wall_s + 0.5 * 8.0

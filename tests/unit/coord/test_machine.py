@@ -975,3 +975,43 @@ def test_training_progress_keeps_the_watchdog_quiet() -> None:
     c.clock.advance(299.0)
     heartbeat_all(c, (0, 1))
     assert [a for a in of(c.tick(), Alert) if a.cls == "reduce_stall"] == []
+
+
+# =============================================================================================
+# Resume seeding
+# =============================================================================================
+
+
+def test_resume_skips_probe_and_trains_only_the_uncovered_ranges() -> None:
+    from flodl.coord.elche import ElCheState
+    from flodl.coord.machine import ResumeState
+
+    cfg = make_config("cpu_cadence", world_size=2, dataset_len=640, num_epochs=2)
+    state = ElCheState(
+        anchor=4,
+        anchor_rank=1,
+        smoothed_ms_per_batch=[10.0, 20.0],
+        phase="stable",
+        calibration_count=7,
+        trend_history=[0.01, 0.02],
+    )
+    # epoch 1 of 2 was interrupted: samples [320, 640) of its 640 (batch 32) are still to train
+    resume = ResumeState(
+        epoch=1, global_step=30, sync_round=5, elche=state, uncovered=((320, 320),)
+    )
+    coord = Coordinator(cfg, random.Random(0), resume=resume)
+    assert coord.elche.phase.value == "stable"
+    assert coord.elche.calibrated
+    assert coord.elche.batch_counts == [8, 4]
+    out: list[Any] = []
+    for r in range(2):
+        out += coord.handle(Hello(run_id="run", rank=r, world_size=2, model_signature=SIG), 0.0)
+    plans = [s.frame.plan for s in of(out, Send) if isinstance(s.frame, StartEpoch)]
+    assert {p.epoch for p in plans} == {1}
+    assert min(p.partition_offset for p in plans) >= 320
+    assert coord.global_step == 30
+    assert coord.sync_rounds == 5
+    meta = coord.meta_record("graceful_shutdown")
+    assert meta["coverage"]["per_epoch"] == [
+        {"epoch": 1, "total_samples": 640, "uncovered_ranges": [[320, 320]]}
+    ]

@@ -159,15 +159,6 @@ def test_window_node_without_busy_time_omits_throughput() -> None:
     assert node["loss"] == 1.0
 
 
-def test_callback_time_is_removed_from_compute_and_floored() -> None:
-    w = WindowStats()
-    w.add(batch_ms=30.0, data_ms=0.0, loss=1.0, samples=32)
-    w.absorb_callback(10.0)
-    assert w.compute_ms == 20.0
-    w.absorb_callback(50.0)
-    assert w.compute_ms == 0.0
-
-
 # --- ReportScheduler ------------------------------------------------------------------------
 
 
