@@ -250,8 +250,8 @@ def sends(effects: Sequence[Any], kind: type) -> list[tuple[int, Any]]:
     return [(e.rank, e.frame) for e in effects if isinstance(e, Send) and isinstance(e.frame, kind)]
 
 
-def plan(offset: int, size: int, epoch: int = 0) -> EpochPlan:
-    return EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size)
+def plan(offset: int, size: int, epoch: int = 0, *, tail: bool = False) -> EpochPlan:
+    return EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size, epoch_tail=tail)
 
 
 def session(number: int, *, new_rank: int, ranks: list[int]) -> NewSession:
@@ -563,7 +563,8 @@ def test_cpu_cadence_cycle_end_to_end() -> None:
         assert trigger < t.index(needed) < update
     assert sends(t[update : update + 4], Update) == [
         (0, Update(version=1, next_plan=plan(640, 320))),  # the next chunk, folded in
-        (1, Update(version=1, next_plan=plan(960, 320))),
+        # the epoch's last slice: the epoch-callback role runs epoch_fn after it
+        (1, Update(version=1, next_plan=plan(960, 320, tail=True))),
     ]
     assert sends(t[update : update + 4], SetGlobalStep)[0] == (0, SetGlobalStep(global_step=20))
     assert sends(c.trace, Throttle) == []  # cadence never throttles
