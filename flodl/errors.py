@@ -15,6 +15,7 @@ __all__ = [
     "LocalProtocolError",
     "CycleAborted",
     "CoordinatorLost",
+    "CollectiveFailed",
     "ConfigError",
 ]
 
@@ -57,6 +58,10 @@ class CycleAborted(FlodlError):
 
 class CoordinatorLost(FlodlError):
     """The rank bridge lost its coordinator (EOF or liveness timeout)."""
+
+
+class CollectiveFailed(FlodlError):
+    """A torch.distributed collective failed (peer died or timed out): re-form, then redo."""
 
 
 class ConfigError(FlodlError, ValueError):

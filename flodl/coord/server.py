@@ -1,0 +1,431 @@
+"""The coordinator service: an asyncio shell around the pure :class:`Coordinator` machine.
+
+Single-threaded (one event loop, uvloop in production); the machine makes every decision and
+this module only moves bytes and time:
+
+* one reader task per connection: the first frame must be ``hello`` (within
+  ``hello_timeout_s``); the machine's ``Reply`` effect answers on that connection and an
+  ``Accept`` binds it to its rank (or marks it a launcher supervisor);
+* every later frame is checked against its connection (a rank may only speak for itself, a
+  supervisor may only report ``rank_exited``) and handed to ``machine.handle(frame,
+  loop.time())``; effects are executed in order;
+* one timer re-armed at ``machine.next_deadline()`` after every input (``now`` passed to
+  ``tick`` is never earlier than the deadline, as aioquic does);
+* a misbehaving peer (bad frame, wrong sender, a reader slower than the write-buffer high-water
+  mark) is closed and reported to the machine as ``PeerLost``; everyone else keeps being served;
+* the CPU reduce server (threads) reports finished rounds through
+  ``loop.call_soon_threadsafe``, and so does a launcher's child supervisor
+  (:meth:`CoordinatorServer.child_exited_threadsafe`).
+
+Side effects the machine asks for (meta, records, alerts, epoch metrics, eval results) go to an
+:class:`EffectSink`; the default one logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from flodl.coord.effects import (
+    Alert,
+    Close,
+    Effect,
+    EpochDone,
+    EvalDone,
+    OpenReduce,
+    RankDead,
+    Record,
+    RefusePeer,
+    Reply,
+    RunOver,
+    Send,
+    WriteMeta,
+)
+from flodl.coord.inputs import ChildExited, Input, PeerLost, ReduceDone
+from flodl.coord.machine import Coordinator
+from flodl.errors import FrameError
+from flodl.wire.codec import AnyFrame
+from flodl.wire.frames import (
+    RANK_FRAME_KINDS,
+    Accept,
+    CoordFrame,
+    Hello,
+    RankExited,
+    RankFrame,
+)
+from flodl.wire.stream import FrameReader, FrameWriter
+
+__all__ = ["EffectSink", "LoggingSink", "ReduceHooks", "CoordinatorServer"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HIGH_WATER = 4 * 1024 * 1024
+"""Bytes queued to one peer beyond which it is a slow reader and gets disconnected."""
+
+
+class EffectSink(Protocol):
+    """Where the machine's non-network effects go (the launcher, the record log, the handle)."""
+
+    def write_meta(self, effect: WriteMeta) -> None: ...
+    def record(self, effect: Record) -> None: ...
+    def alert(self, effect: Alert) -> None: ...
+    def epoch_done(self, effect: EpochDone) -> None: ...
+    def eval_done(self, effect: EvalDone) -> None: ...
+
+
+class LoggingSink:
+    """The default sink: alerts at WARNING, everything else at DEBUG/INFO."""
+
+    def write_meta(self, effect: WriteMeta) -> None:
+        logger.info("meta (%s): epoch %s", effect.reason, effect.meta.get("epoch"))
+
+    def record(self, effect: Record) -> None:
+        logger.debug("record %s %s %s", effect.path, effect.kind, effect.data)
+
+    def alert(self, effect: Alert) -> None:
+        logger.warning("[%s] %s: %s", effect.cls, effect.path, effect.detail)
+
+    def epoch_done(self, effect: EpochDone) -> None:
+        m = effect.metrics
+        logger.info("epoch %d: loss %.6g in %.0f ms", m.epoch, m.avg_loss, m.epoch_ms)
+
+    def eval_done(self, effect: EvalDone) -> None:
+        logger.info("eval after epoch %d: %.6g", effect.epoch, effect.metric)
+
+
+class ReduceHooks(Protocol):
+    """What the control loop tells the CPU reduce server (see :mod:`flodl.coord.reduce`)."""
+
+    def open_round(self, cycle: int, ranks: tuple[int, ...]) -> None: ...
+    def rank_dead(self, rank: int) -> None: ...
+
+
+@dataclass(eq=False)
+class _Peer:
+    reader: FrameReader
+    writer: FrameWriter
+    stream: asyncio.StreamWriter
+    address: str
+    rank: int | None = None
+    role: str = "rank"
+    supervisor: bool = False
+    closed: bool = False
+    reason: str = ""
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+class CoordinatorServer:
+    """Serve one run's control plane.
+
+    Args:
+        machine: the pure coordinator (owned: only this server calls it).
+        secret: the run secret (authenticates every frame).
+        host: address to bind (127.0.0.1 unless ranks are on other hosts).
+        port: port to bind, 0 for any.
+        sink: destination of meta/records/alerts/metrics effects.
+        reduce: the CPU reduce server, when the mode averages on the CPU.
+        high_water: bytes queued to one peer before it counts as a slow reader.
+        hello_timeout_s: how long a new connection may take to say ``hello``.
+        data_port: the CPU reduce server's port, announced in every ``accept``.
+        store_port: the torch.distributed store's port, announced in every ``accept``.
+    """
+
+    def __init__(
+        self,
+        machine: Coordinator,
+        secret: bytes,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        sink: EffectSink | None = None,
+        reduce: ReduceHooks | None = None,
+        high_water: int = DEFAULT_HIGH_WATER,
+        hello_timeout_s: float = 10.0,
+        data_port: int | None = None,
+        store_port: int | None = None,
+    ) -> None:
+        self._accept_extras = {"data_port": data_port, "store_port": store_port}
+        self.machine = machine
+        self._secret = secret
+        self._host = host
+        self._port = port
+        self.sink: EffectSink = sink if sink is not None else LoggingSink()
+        self.reduce = reduce
+        self._high_water = high_water
+        self._hello_timeout_s = hello_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.Server | None = None
+        self._peers: set[_Peer] = set()
+        self._by_rank: dict[int, _Peer] = {}
+        self._current: _Peer | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._done: asyncio.Future[RunOver] | None = None
+        self.port = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> int:
+        """Bind and start serving; returns the bound port."""
+        self._loop = asyncio.get_running_loop()
+        self._done = self._loop.create_future()
+        self._server = await asyncio.start_server(
+            self._on_connection, self._host, self._port, reuse_address=True
+        )
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        self._apply(self.machine.tick(self._loop.time()))
+        logger.info("coordinator listening on %s:%d", self._host, self.port)
+        return self.port
+
+    async def wait(self) -> RunOver:
+        """Until the machine says the run is over."""
+        assert self._done is not None, "start() first"
+        return await asyncio.shield(self._done)
+
+    async def close(self) -> None:
+        """Stop accepting, close every connection, cancel every task (idempotent)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        peers = list(self._peers)
+        for peer in peers:
+            self._close_peer(peer, "coordinator shutting down", report=False)
+        tasks = [p.task for p in peers if p.task is not None and not p.task.done()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for peer in peers:
+            await _wait_closed(peer.stream)
+
+    # ------------------------------------------------------------------ thread-safe inputs
+    def child_exited_threadsafe(self, rank: int, exit_code: int) -> None:
+        """From a supervisor thread: the process of ``rank`` exited (the fast death path)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._dispatch, ChildExited(rank, exit_code))
+
+    def reduce_done_threadsafe(
+        self, cycle: int, contributors: tuple[int, ...], weight: float
+    ) -> None:
+        """From the reduce server's worker thread: a CPU round finished."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._dispatch, ReduceDone(cycle, contributors, weight))
+
+    # ------------------------------------------------------------------ connections
+    async def _on_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peername = writer.get_extra_info("peername")
+        address = f"{peername[0]}:{peername[1]}" if peername else "?"
+        writer.transport.set_write_buffer_limits(high=self._high_water)
+        peer = _Peer(
+            FrameReader(reader, self._secret), FrameWriter(writer, self._secret), writer, address
+        )
+        peer.task = asyncio.current_task()
+        self._peers.add(peer)
+        try:
+            await self._serve(peer)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._peers.discard(peer)
+            if not peer.closed:
+                self._close_peer(peer, peer.reason or "connection ended")
+            await _wait_closed(writer)
+
+    async def _serve(self, peer: _Peer) -> None:
+        try:
+            first = await asyncio.wait_for(peer.reader.read(), self._hello_timeout_s)
+        except TimeoutError:
+            peer.reason = f"no hello within {self._hello_timeout_s:g} s"
+            logger.warning("closing %s: %s", peer.address, peer.reason)
+            return
+        except FrameError as exc:
+            peer.reason = f"bad first frame: {exc}"
+            logger.warning("closing %s: %s", peer.address, peer.reason)
+            return
+        except (ConnectionError, OSError) as exc:
+            peer.reason = f"connection error before hello: {exc}"
+            return
+        if first is None:
+            return
+        if not isinstance(first, Hello):
+            peer.reason = f"first frame is {first.kind!r}, not 'hello'"
+            logger.warning("closing %s: %s", peer.address, peer.reason)
+            return
+        peer.role = first.role
+        self._dispatch(first, peer)
+        if peer.closed:
+            return
+        while not peer.closed:
+            try:
+                frame = await peer.reader.read()
+            except FrameError as exc:
+                peer.reason = f"bad frame: {exc}"
+                logger.warning("closing %s (rank %s): %s", peer.address, peer.rank, peer.reason)
+                return
+            except (ConnectionError, OSError) as exc:
+                peer.reason = f"connection error: {exc}"
+                return
+            if frame is None:
+                peer.reason = "EOF"
+                return
+            problem = self._check_sender(peer, frame)
+            if problem is not None:
+                peer.reason = problem
+                logger.warning("closing %s (rank %s): %s", peer.address, peer.rank, problem)
+                return
+            self._dispatch(frame, peer)  # type: ignore[arg-type]
+
+    def _check_sender(self, peer: _Peer, frame: AnyFrame) -> str | None:
+        if frame.kind not in RANK_FRAME_KINDS or isinstance(frame, Hello):
+            return f"unexpected {frame.kind!r} frame from a peer"
+        if peer.supervisor:
+            return None if isinstance(frame, RankExited) else f"supervisor sent {frame.kind!r}"
+        if isinstance(frame, RankExited):
+            return "a rank may not report rank_exited"
+        rank = getattr(frame, "rank", None)
+        if rank != peer.rank:
+            return f"rank {peer.rank} sent a frame claiming rank {rank}"
+        return None
+
+    def _close_peer(self, peer: _Peer, reason: str, *, report: bool = True) -> None:
+        if peer.closed:
+            return
+        peer.closed = True
+        peer.reason = peer.reason or reason
+        if report or peer.writer.buffered > self._high_water:
+            # A lost or slow peer gets no graceful flush: close() would keep the socket open
+            # until its queue drains, i.e. forever for a reader that stopped reading.
+            peer.stream.transport.abort()
+        else:
+            peer.stream.close()
+        if peer.rank is not None and self._by_rank.get(peer.rank) is peer:
+            del self._by_rank[peer.rank]
+            if report:
+                self._dispatch(PeerLost(peer.rank, peer.reason))
+
+    # ------------------------------------------------------------------ machine plumbing
+    def _dispatch(self, event: RankFrame | Input, peer: _Peer | None = None) -> None:
+        loop = self._loop
+        assert loop is not None
+        previous, self._current = self._current, peer
+        try:
+            effects = self.machine.handle(event, loop.time())
+            self._apply(effects)
+        finally:
+            self._current = previous
+
+    def _on_timer(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        at, self._timer, self._timer_at = self._timer_at, None, None
+        now = loop.time() if at is None else max(at, loop.time())
+        self._apply(self.machine.tick(now))
+
+    def _rearm(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        at = self.machine.next_deadline()
+        if self._timer is not None and self._timer_at != at:
+            self._timer.cancel()
+            self._timer = None
+        if self._timer is None and at is not None:
+            self._timer_at = at
+            self._timer = loop.call_at(at, self._on_timer)
+
+    def _apply(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            match effect:
+                case Send(rank=rank, frame=frame):
+                    self._send(rank, frame)
+                case Reply(frame=frame):
+                    self._reply(frame)
+                case RefusePeer(reason=reason):
+                    if self._current is not None:
+                        logger.warning("refused %s: %s", self._current.address, reason)
+                        self._current.reason = reason
+                        self._close_peer(self._current, reason, report=False)
+                case Close(rank=rank, reason=reason):
+                    peer = self._by_rank.get(rank)
+                    if peer is not None:
+                        self._close_peer(peer, reason, report=False)
+                case RankDead(rank=rank, reason=reason):
+                    logger.warning("rank %d declared dead: %s", rank, reason)
+                    if self.reduce is not None:
+                        self.reduce.rank_dead(rank)
+                case OpenReduce(cycle=cycle, ranks=ranks):
+                    if self.reduce is not None:
+                        self.reduce.open_round(cycle, ranks)
+                case WriteMeta():
+                    self._safe(self.sink.write_meta, effect)
+                case Record():
+                    self._safe(self.sink.record, effect)
+                case Alert():
+                    self._safe(self.sink.alert, effect)
+                case EpochDone():
+                    self._safe(self.sink.epoch_done, effect)
+                case EvalDone():
+                    self._safe(self.sink.eval_done, effect)
+                case RunOver():
+                    logger.info("run over (ok=%s): %s", effect.ok, effect.reason)
+                    if self._done is not None and not self._done.done():
+                        self._done.set_result(effect)
+        self._rearm()
+
+    def _safe(self, fn: Callable[[Any], None], effect: Effect) -> None:
+        """A failing sink costs observability, never the run."""
+        try:
+            fn(effect)
+        except Exception:
+            logger.exception("effect sink failed on %s", type(effect).__name__)
+
+    def _send(self, rank: int, frame: CoordFrame) -> None:
+        peer = self._by_rank.get(rank)
+        if peer is None or peer.closed:
+            return  # the machine learns of the loss from PeerLost / ChildExited
+        self._write(peer, frame)
+
+    def _reply(self, frame: CoordFrame) -> None:
+        peer = self._current
+        if peer is None or peer.closed:
+            return
+        if isinstance(frame, Accept):
+            frame = frame.model_copy(update=self._accept_extras)
+            if peer.role == "supervisor":
+                peer.supervisor = True
+            else:
+                peer.rank = frame.rank
+                self._by_rank[frame.rank] = peer
+        self._write(peer, frame)
+
+    def _write(self, peer: _Peer, frame: CoordFrame) -> None:
+        try:
+            peer.writer.write_nowait(frame)
+        except (ConnectionError, OSError, RuntimeError) as exc:
+            self._close_peer(peer, f"write failed: {exc}")
+            return
+        if peer.writer.buffered > self._high_water:
+            self._close_peer(
+                peer,
+                f"slow reader: {peer.writer.buffered} B queued (high-water {self._high_water})",
+            )
+
+
+async def _wait_closed(writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(ConnectionError, OSError):
+        await writer.wait_closed()

@@ -1,0 +1,100 @@
+"""The coordinator process's services, composed: control server + CPU reduce server or the
+``torch.distributed`` store. Used in the launcher process and by ``flodl coord``."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from flodl.config import CoordConfig
+from flodl.coord.effects import RunOver
+from flodl.coord.machine import Coordinator, ResumeState
+from flodl.coord.reduce import ReduceServer
+from flodl.coord.server import CoordinatorServer, EffectSink
+from flodl.coord.store import StoreHost
+
+__all__ = ["CoordinatorService"]
+
+logger = logging.getLogger(__name__)
+
+
+class CoordinatorService:
+    """One run's coordinator: start it inside a running event loop, await :meth:`wait`.
+
+    Args:
+        config: the run's configuration.
+        secret: the run secret (≥ 16 bytes).
+        host: address for every listening socket.
+        port: control port (0 = any).
+        sink: where meta/records/alerts/metrics go.
+        resume: state read from a checkpoint meta.
+    """
+
+    def __init__(
+        self,
+        config: CoordConfig,
+        secret: bytes,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        sink: EffectSink | None = None,
+        resume: ResumeState | None = None,
+    ) -> None:
+        self.config = config
+        self.secret = secret
+        self.host = host
+        self.port = port
+        self.sink = sink
+        self.machine = Coordinator(config, random.Random(config.seed), resume=resume)
+        self.server: CoordinatorServer | None = None
+        self._reduce: ReduceServer | None = None
+        self._store: StoreHost | None = None
+
+    async def start(self) -> int:
+        """Start every service; returns the control port."""
+        data_port: int | None = None
+        store_port: int | None = None
+        if self.config.elche.backend == "cpu":
+            self._reduce = ReduceServer(
+                self.secret,
+                host=self.host,
+                world_size=self.config.world_size,
+                on_done=self._on_reduce_done,
+            )
+            data_port = self._reduce.start()
+        else:
+            self._store = StoreHost(self.host)
+            store_port = self._store.port
+        self.server = CoordinatorServer(
+            self.machine,
+            self.secret,
+            host=self.host,
+            port=self.port,
+            sink=self.sink,
+            reduce=self._reduce,
+            data_port=data_port,
+            store_port=store_port,
+        )
+        port = await self.server.start()
+        self.port = port
+        return port
+
+    def _on_reduce_done(self, cycle: int, contributors: tuple[int, ...], weight: float) -> None:
+        if self.server is not None:
+            self.server.reduce_done_threadsafe(cycle, contributors, weight)
+
+    def child_exited_threadsafe(self, rank: int, exit_code: int) -> None:
+        if self.server is not None:
+            self.server.child_exited_threadsafe(rank, exit_code)
+
+    async def wait(self) -> RunOver:
+        assert self.server is not None, "start() first"
+        return await self.server.wait()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.close()
+        if self._reduce is not None:
+            self._reduce.close()
+        if self._store is not None:
+            self._store.close()

@@ -1,0 +1,421 @@
+"""The collective backend on real processes: Gloo on 127.0.0.1, the store hosted in this process.
+
+Ranks are ``spawn`` children that run named steps on command (``import torch`` costs ~2 s per
+process, so one cohort serves several checks). Each child treats warnings as errors, like the test
+process. Values are chosen so the weighted means are exact in float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing as mp
+import os
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+from flodl.coord.store import StoreHost
+from flodl.errors import CollectiveFailed, LocalProtocolError
+from flodl.rank.collectives import Collective, divergence
+
+pytestmark = pytest.mark.integration
+
+CHILD_WARNINGS = "error,ignore:Failed to initialize NumPy:UserWarning"
+THETA = [0.0, 3.0, 6.0]  # rank r's parameter value
+WEIGHT = [1.0, 2.0, 3.0]  # rank r's work weight: mean = (0 + 6 + 18) / 6 = 4
+
+
+# ---------------------------------------------------------------------- child side
+class _State:
+    def __init__(self, coll: Collective, rank: int) -> None:
+        self.coll = coll
+        self.rank = rank  # global rank
+        self.saved: list[torch.Tensor] = []
+
+
+def _params(theta: float) -> list[torch.Tensor]:
+    return [
+        torch.full((4,), theta),
+        torch.arange(6.0).reshape(2, 3) * theta,
+        torch.full((2,), theta, dtype=torch.float64),
+        torch.full((3,), theta, dtype=torch.bfloat16),
+    ]
+
+
+def _step_form(s: _State, prefix: str, rank: int, world_size: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    try:
+        s.coll.form(prefix, rank, world_size)
+    except CollectiveFailed as exc:
+        return {"failed": True, "elapsed": time.perf_counter() - t0, "error": str(exc)}
+    return {
+        "failed": False,
+        "elapsed": time.perf_counter() - t0,
+        "rank": s.coll.rank,
+        "world_size": s.coll.world_size,
+    }
+
+
+def _step_broadcast(s: _State) -> dict[str, Any]:
+    r = s.rank
+    base = torch.arange(6.0).reshape(2, 3) * (r + 1)
+    tensors = [
+        torch.full((2, 3), r + 1.0),
+        torch.arange(4, dtype=torch.float64) * (r + 1),
+        torch.tensor(10 * r, dtype=torch.int64),  # a 0-d integer buffer
+        torch.tensor([r % 2 == 0, r == 1]),
+        base.t(),  # non-contiguous view: writes must land in `base`
+    ]
+    s.coll.broadcast(tensors, src=0)
+    return {"tensors": [t.tolist() for t in tensors], "base": base.tolist()}
+
+
+def _step_weighted(s: _State, weights: list[float]) -> dict[str, Any]:
+    params = _params(THETA[s.rank])
+    total = s.coll.weighted_average(params, weights[s.rank])
+    return {"total": total, "params": [p.tolist() for p in params]}
+
+
+def _step_buffers(s: _State, movers: list[int]) -> dict[str, Any]:
+    r = s.rank
+    buffers = [
+        torch.full((3,), r + 1.0),  # running_mean
+        torch.tensor(7 + 10 * r, dtype=torch.int64),  # num_batches_tracked
+        torch.full((2,), 2.0 * (r + 1), dtype=torch.float64),
+    ]
+    count = s.coll.average_buffers(buffers, r in movers)
+    return {"count": count, "buffers": [b.tolist() for b in buffers]}
+
+
+def _step_sum(s: _State) -> float:
+    t = torch.tensor([s.rank + 1.0])
+    s.coll.all_reduce_sum(t)
+    return float(t.item())
+
+
+def _step_reduce_expecting_failure(s: _State) -> dict[str, Any]:
+    params = _params(THETA[s.rank])
+    s.saved = [p.clone() for p in params]  # the pre-sync copy
+    t0 = time.perf_counter()
+    try:
+        s.coll.weighted_average(params, WEIGHT[s.rank])
+    except CollectiveFailed as exc:
+        first = time.perf_counter() - t0
+        untouched = all(torch.equal(p, q) for p, q in zip(params, s.saved, strict=True))
+        t1 = time.perf_counter()
+        try:
+            s.coll.all_reduce_sum(torch.zeros(1))
+            again = "no error"
+        except CollectiveFailed:
+            again = "CollectiveFailed"
+        return {
+            "failed": True,
+            "elapsed": first,
+            "error": str(exc),
+            "untouched": untouched,
+            "broken": s.coll.broken,
+            "again": again,
+            "again_elapsed": time.perf_counter() - t1,
+        }
+    return {"failed": False, "elapsed": time.perf_counter() - t0}
+
+
+def _step_redo(s: _State) -> dict[str, Any]:
+    params = [p.clone() for p in s.saved]
+    total = s.coll.weighted_average(params, WEIGHT[s.rank])
+    return {"total": total, "params": [p.tolist() for p in params]}
+
+
+def _step_unformed(s: _State) -> dict[str, Any]:
+    try:
+        s.coll.all_reduce_sum(torch.zeros(1))
+    except LocalProtocolError:
+        return {"formed": s.coll.formed, "raises": "LocalProtocolError"}
+    return {"formed": s.coll.formed, "raises": None}
+
+
+def _step_exit(s: _State) -> None:
+    os._exit(0)  # die without leaving the group: the peers' sockets see EOF
+
+
+STEPS: dict[str, Callable[..., Any]] = {
+    "form": _step_form,
+    "broadcast": _step_broadcast,
+    "weighted": _step_weighted,
+    "buffers": _step_buffers,
+    "sum": _step_sum,
+    "reduce_expecting_failure": _step_reduce_expecting_failure,
+    "redo": _step_redo,
+    "unformed": _step_unformed,
+    "exit": _step_exit,
+}
+
+
+def _worker(port: int, rank: int, timeout_s: float, conn: Connection) -> None:
+    torch.set_num_threads(1)
+    state = _State(
+        Collective("127.0.0.1", port, device=torch.device("cpu"), timeout_s=timeout_s), rank
+    )
+    try:
+        while (msg := conn.recv()) is not None:
+            name, args = msg
+            try:
+                conn.send(("ok", STEPS[name](state, *args)))
+            except Exception:  # noqa: BLE001 - report every failure to the test process
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        state.coll.destroy()
+        conn.close()
+
+
+# ---------------------------------------------------------------------- test side
+class Cohort:
+    """``n`` spawned ranks, each answering named steps over its own pipe."""
+
+    def __init__(self, port: int, n: int, timeout_s: float) -> None:
+        ctx = mp.get_context("spawn")
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+        with pytest.MonkeyPatch.context() as mpatch:
+            mpatch.setenv("PYTHONWARNINGS", CHILD_WARNINGS)
+            for rank in range(n):
+                ours, theirs = ctx.Pipe()
+                proc = ctx.Process(target=_worker, args=(port, rank, timeout_s, theirs))
+                proc.start()
+                theirs.close()
+                self.procs.append(proc)
+                self.conns.append(ours)
+
+    def send(self, rank: int, step: str, *args: Any) -> None:
+        self.conns[rank].send((step, args))
+
+    def recv(self, rank: int, timeout: float = 30.0) -> Any:
+        conn = self.conns[rank]
+        if not conn.poll(timeout):
+            raise AssertionError(f"rank {rank} gave no answer within {timeout} s")
+        status, value = conn.recv()
+        if status != "ok":
+            raise AssertionError(f"rank {rank} failed:\n{value}")
+        return value
+
+    def call(self, ranks: list[int], step: str, *args: Any) -> list[Any]:
+        """Run ``step`` on ``ranks`` concurrently; answers in the order of ``ranks``."""
+        for rank in ranks:
+            self.send(rank, step, *args)
+        return [self.recv(rank) for rank in ranks]
+
+    def form(self, prefix: str, ranks: list[int]) -> None:
+        for new_rank, rank in enumerate(ranks):
+            self.send(rank, "form", prefix, new_rank, len(ranks))
+        for rank in ranks:
+            answer = self.recv(rank)
+            assert not answer["failed"], answer
+
+    def close(self) -> None:
+        for proc, conn in zip(self.procs, self.conns, strict=True):
+            if proc.is_alive():
+                with contextlib.suppress(OSError):
+                    conn.send(None)
+        deadline = time.monotonic() + 5.0
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+        for conn in self.conns:
+            conn.close()
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[StoreHost]:
+    with StoreHost() as host:
+        yield host
+
+
+@pytest.fixture(scope="module")
+def trio(store: StoreHost) -> Iterator[Cohort]:
+    """Three ranks in session ``t/s0`` for the happy-path tests (reused across them)."""
+    cohort = Cohort(store.port, 3, timeout_s=20.0)
+    try:
+        cohort.form("trio/s0", [0, 1, 2])
+        yield cohort
+    finally:
+        cohort.close()
+
+
+# ---------------------------------------------------------------------- store and one rank
+@pytest.mark.timeout(120)
+def test_store_host_serves_clients_and_closes(store: StoreHost) -> None:
+    assert 0 < store.port <= 65_535
+    client = TCPStore("127.0.0.1", store.port, None, False, timedelta(seconds=5), False)
+    client.set("probe", "1")
+    assert client.get("probe") == b"1"
+    assert not torch.cuda.is_initialized()
+
+    other = StoreHost()
+    assert other.port != store.port and not other.closed
+    other.close()
+    other.close()  # idempotent
+    assert other.closed
+    with pytest.raises(ValueError, match="port"):
+        StoreHost(port=70_000)
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_session_is_local(store: StoreHost) -> None:
+    coll = Collective("127.0.0.1", store.port, device=torch.device("cpu"), timeout_s=5.0)
+    with pytest.raises(LocalProtocolError):
+        coll.weighted_average([torch.ones(2)], 1.0)
+    with pytest.raises(ValueError, match="rank"):
+        coll.form("solo/s0", 1, 1)
+    coll.form("solo/s0", 0, 1)
+    assert (coll.rank, coll.world_size, coll.backend) == (0, 1, "gloo")
+    params = [torch.full((3,), 2.5)]
+    assert coll.weighted_average(params, 4.0) == 4.0
+    assert coll.weighted_average(params, 0.0) == 0.0
+    assert params[0].tolist() == [2.5, 2.5, 2.5]
+    assert coll.average_buffers([torch.ones(2)], mover=True) == 1
+    assert coll.average_buffers([torch.ones(2)], mover=False) == 0
+    coll.broadcast(params)
+    t = torch.ones(1)
+    coll.all_reduce_sum(t)
+    assert t.item() == 1.0
+    with pytest.raises(ValueError, match="weight"):
+        coll.weighted_average(params, -1.0)
+    with pytest.raises(TypeError):
+        coll.weighted_average([torch.ones(2, dtype=torch.int64)], 1.0)
+    coll.destroy()
+    assert not coll.formed
+    with pytest.raises(ValueError, match="timeout_s"):
+        Collective("127.0.0.1", store.port, device=torch.device("cpu"), timeout_s=0.0)
+
+
+# ---------------------------------------------------------------------- three ranks
+@pytest.mark.timeout(120)
+def test_broadcast_from_rank0_makes_ranks_identical(trio: Cohort) -> None:
+    answers = trio.call([0, 1, 2], "broadcast")
+    expected = answers[0]
+    assert expected["tensors"][2] == 0 and expected["tensors"][3] == [True, False]
+    assert expected["base"] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    for answer in answers[1:]:
+        assert answer == expected
+
+
+@pytest.mark.timeout(120)
+def test_weighted_average_is_the_exact_weighted_mean(trio: Cohort) -> None:
+    answers = trio.call([0, 1, 2], "weighted", WEIGHT)
+    mean = sum(w * t for w, t in zip(WEIGHT, THETA, strict=True)) / sum(WEIGHT)
+    assert mean == 4.0
+    for answer in answers:
+        assert answer["total"] == 6.0
+        assert answer["params"] == [p.tolist() for p in _params(mean)]
+    # a rank with weight 0 adopts the others' average and adds nothing to the divisor
+    answers = trio.call([0, 1, 2], "weighted", [0.0, 1.0, 2.0])
+    mean = (1.0 * 3.0 + 2.0 * 6.0) / 3.0
+    assert mean == 5.0
+    for answer in answers:
+        assert answer["total"] == 3.0
+        assert answer["params"] == [p.tolist() for p in _params(mean)]
+
+
+@pytest.mark.timeout(120)
+def test_all_zero_weights_leave_params_unchanged(trio: Cohort) -> None:
+    answers = trio.call([0, 1, 2], "weighted", [0.0, 0.0, 0.0])
+    for rank, answer in enumerate(answers):
+        assert answer["total"] == 0.0
+        assert answer["params"] == [p.tolist() for p in _params(THETA[rank])]
+
+
+@pytest.mark.timeout(120)
+def test_buffers_average_over_movers_only(trio: Cohort) -> None:
+    answers = trio.call([0, 1, 2], "buffers", [0, 2])  # rank 1 did not step
+    for rank, answer in enumerate(answers):
+        assert answer["count"] == 2
+        running_mean, tracked, second = answer["buffers"]
+        assert running_mean == [2.0, 2.0, 2.0]  # (1 + 3) / 2, rank 1's 2.0 never counted
+        assert second == [4.0, 4.0]  # (2 + 6) / 2
+        assert tracked == 7 + 10 * rank  # integer buffers are never averaged
+    answers = trio.call([0, 1, 2], "buffers", [])  # nobody moved: unchanged
+    for rank, answer in enumerate(answers):
+        assert answer["count"] == 0
+        assert answer["buffers"] == [[rank + 1.0] * 3, 7 + 10 * rank, [2.0 * (rank + 1)] * 2]
+    assert trio.call([0, 1, 2], "sum") == [6.0, 6.0, 6.0]
+
+
+# ---------------------------------------------------------------------- failures
+@pytest.mark.timeout(120)
+def test_peer_death_raises_collective_failed_then_reform_and_redo(store: StoreHost) -> None:
+    timeout_s = 5.0
+    cohort = Cohort(store.port, 3, timeout_s=timeout_s)
+    try:
+        cohort.form("death/s0", [0, 1, 2])
+        assert cohort.call([0, 1, 2], "sum") == [6.0, 6.0, 6.0]
+        cohort.send(2, "exit")
+        cohort.procs[2].join(10.0)
+        assert cohort.procs[2].exitcode == 0
+
+        for answer in cohort.call([0, 1], "reduce_expecting_failure"):
+            assert answer["failed"], answer
+            assert answer["elapsed"] < timeout_s, answer  # EOF, not the timeout
+            assert answer["untouched"] and answer["broken"], answer
+            assert answer["again"] == "CollectiveFailed", answer
+            assert answer["again_elapsed"] < 0.5, answer  # broken session: no network
+
+        cohort.form("death/s1", [0, 1])  # NewSession{new_rank: 0 / 1, new_world_size: 2}
+        mean = (WEIGHT[0] * THETA[0] + WEIGHT[1] * THETA[1]) / (WEIGHT[0] + WEIGHT[1])
+        for answer in cohort.call([0, 1], "redo"):
+            assert answer["total"] == WEIGHT[0] + WEIGHT[1]
+            assert answer["params"] == [p.tolist() for p in _params(mean)]
+    finally:
+        cohort.close()
+
+
+@pytest.mark.timeout(120)
+def test_silent_peer_and_missing_member_fail_after_the_timeout(store: StoreHost) -> None:
+    timeout_s = 2.0
+    cohort = Cohort(store.port, 2, timeout_s=timeout_s)
+    try:
+        cohort.form("silent/s0", [0, 1])
+        # rank 1 stays alive but never enters the collective
+        [answer] = cohort.call([0], "reduce_expecting_failure")
+        assert answer["failed"], answer
+        assert timeout_s * 0.9 <= answer["elapsed"] < timeout_s + 2.0, answer
+
+        # rank 1 never joins the next session: form() gives up after the timeout
+        [answer] = cohort.call([0], "form", "silent/s1", 0, 2)
+        assert answer["failed"], answer
+        assert timeout_s * 0.9 <= answer["elapsed"] < timeout_s + 2.0, answer
+        assert cohort.call([0], "unformed") == [{"formed": False, "raises": "LocalProtocolError"}]
+
+        cohort.form("silent/s2", [0, 1])  # both recover in a fresh session
+        assert cohort.call([0, 1], "sum") == [3.0, 3.0]
+    finally:
+        cohort.close()
+
+
+# ---------------------------------------------------------------------- divergence
+@pytest.mark.timeout(120)
+def test_divergence_on_known_tensors() -> None:
+    pre = [torch.tensor([3.0, 0.0]), torch.tensor([[0.0], [4.0]])]  # ‖pre‖ = 5
+    post = [torch.tensor([0.0, 0.0]), torch.tensor([[0.0], [2.0]])]  # ‖post‖ = 2
+    d, pre_norm, post_norm = divergence(pre, post)
+    assert (pre_norm, post_norm) == (5.0, 2.0)
+    assert math.isclose(d, math.sqrt(9.0 + 4.0) / 2.0, rel_tol=1e-12)
+    assert divergence(post, post) == (0.0, 2.0, 2.0)
+    assert divergence(pre, [torch.zeros(2), torch.zeros(2, 1)]) == (0.0, 5.0, 0.0)
+    assert divergence([], []) == (0.0, 0.0, 0.0)
+    half = [torch.tensor([3.0, 4.0], dtype=torch.bfloat16)]
+    assert divergence(half, [torch.tensor([0.0, 4.0])]) == (0.75, 5.0, 4.0)
+    with pytest.raises(ValueError, match="tensors"):
+        divergence(pre, post[:1])
+    with pytest.raises(ValueError, match="shape"):
+        divergence([torch.ones(2)], [torch.ones(3)])

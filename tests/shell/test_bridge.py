@@ -1,0 +1,732 @@
+"""RankBridge against a real loopback coordinator stand-in.
+
+The stand-in (:class:`FakeCoordinator`) is an asyncio TCP server on 127.0.0.1 speaking real
+authenticated frames through FrameReader/FrameWriter, on its own thread and event loop; the
+tests drive the bridge from the pytest thread, as a rank's main thread would. Nothing sleeps to
+wait for a condition: every wait is an event or queue with a timeout. The hard-exit tests run
+the bridge in a child interpreter, since it ends its process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import queue
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from flodl.errors import CoordinatorLost, FrameError, LocalProtocolError, RemoteProtocolError
+from flodl.rank.bridge import HARD_EXIT_CODE, RankBridge
+from flodl.wire.codec import AnyFrame
+from flodl.wire.frames import (
+    Accept,
+    CoordFrame,
+    CoordHeartbeat,
+    EpochPlan,
+    Exiting,
+    Heartbeat,
+    Hello,
+    Metrics,
+    Reject,
+    SetGlobalStep,
+    Shutdown,
+    StartEpoch,
+    SyncNow,
+    Throttle,
+)
+from flodl.wire.stream import FrameReader, FrameWriter
+
+pytestmark = pytest.mark.timeout(30)
+
+ROOT = Path(__file__).resolve().parents[2]
+SECRET = b"bridge-test-secret-0123456789abcdef"
+SIGNATURE = "ab" * 32
+WAIT_S = 5.0
+"""Upper bound of any wait for something that should happen promptly."""
+
+LOOPS = pytest.mark.parametrize(
+    "loop_factory",
+    [None, asyncio.new_event_loop],
+    ids=["default-uvloop", "stdlib"],
+)
+
+
+def _hello(rank: int = 0) -> Hello:
+    return Hello(run_id="bridge-test", rank=rank, world_size=2, model_signature=SIGNATURE)
+
+
+def _accept(hello: Hello) -> Accept:
+    return Accept(
+        run_id=hello.run_id,
+        rank=hello.rank,
+        world_size=hello.world_size,
+        session=4,
+        heartbeat_timeout_s=30.0,
+    )
+
+
+def _free_port() -> int:
+    """A port nothing listens on (bound, read back, released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class FakeCoordinator:
+    """Plays the coordinator on 127.0.0.1, on a background thread with its own event loop.
+
+    ``received`` gets ``(time.monotonic(), frame)`` for every frame from a rank, and
+    ``(time, None)`` when a connection ends. ``reply`` maps the Hello to the handshake answer
+    (``None``: stay silent); a Reject closes the connection after it is sent.
+    """
+
+    def __init__(
+        self,
+        *,
+        reply: Callable[[Hello], CoordFrame | None] = _accept,
+        secret: bytes = SECRET,
+        port: int = 0,
+    ) -> None:
+        self._reply = reply
+        self._secret = secret
+        self._port = port
+        self.received: queue.SimpleQueue[tuple[float, AnyFrame | None]] = queue.SimpleQueue()
+        self.connected = threading.Event()
+        self._ready: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._conn: tuple[asyncio.StreamWriter, FrameWriter] | None = None
+        self._beat: asyncio.Task[None] | None = None
+        self._thread = threading.Thread(target=self._main, name="fake-coordinator", daemon=True)
+        self.port = 0
+
+    # -- test thread ------------------------------------------------------------------------
+    def start(self) -> FakeCoordinator:
+        self._thread.start()
+        ready = self._ready.get(timeout=WAIT_S)
+        if isinstance(ready, BaseException):
+            raise ready
+        self.port = ready
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(WAIT_S)
+        assert not self._thread.is_alive(), "fake coordinator did not stop"
+
+    def _call(self, fn: Callable[[], object]) -> None:
+        async def run() -> None:
+            fn()
+            if self._conn is not None:
+                with contextlib.suppress(OSError):
+                    await self._conn[0].drain()
+
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(run(), self._loop).result(WAIT_S)
+
+    def send(self, *frames: CoordFrame) -> None:
+        """Write frames on the current connection, in order."""
+
+        def write() -> None:
+            assert self._conn is not None
+            for frame in frames:
+                self._conn[1].write_nowait(frame)
+
+        self._call(write)
+
+    def write_raw(self, data: bytes) -> None:
+        self._call(lambda: self._conn[0].write(data) if self._conn else None)
+
+    def send_eof(self) -> None:
+        """Half-close the current connection: the bridge sees a clean EOF (a full close could
+        reset the connection instead, if a rank heartbeat is still unread)."""
+        self._call(lambda: self._conn[0].write_eof() if self._conn else None)
+
+    def reset_connection(self) -> None:
+        """Abort the current connection with a TCP reset (SO_LINGER 0)."""
+
+        def reset() -> None:
+            assert self._conn is not None
+            sock = self._conn[0].get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self._conn[0].transport.abort()
+
+        self._call(reset)
+
+    def start_heartbeats(self, interval_s: float) -> None:
+        def begin() -> None:
+            self._beat = asyncio.get_running_loop().create_task(self._beat_loop(interval_s))
+
+        self._call(begin)
+
+    def stop_heartbeats(self) -> None:
+        self._call(lambda: self._beat.cancel() if self._beat else None)
+
+    def next_frame(
+        self, kind: type[AnyFrame] | None = None, timeout: float = WAIT_S
+    ) -> tuple[float, AnyFrame | None]:
+        """The next received frame of type ``kind``, or the next end of a connection; with no
+        ``kind``, the next frame that is neither a Hello nor a rank heartbeat."""
+        deadline = time.monotonic() + timeout
+        while True:
+            at, frame = self.received.get(timeout=max(0.0, deadline - time.monotonic()))
+            if frame is None or (kind is None and not isinstance(frame, Hello | Heartbeat)):
+                return at, frame
+            if kind is not None and isinstance(frame, kind):
+                return at, frame
+
+    # -- server thread ----------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            with asyncio.Runner(loop_factory=asyncio.new_event_loop) as runner:
+                runner.run(self._serve())
+        except BaseException as exc:  # noqa: BLE001 - surfaces in start(), not as a thread warning
+            self._ready.put(exc)
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        server = await asyncio.start_server(self._handle, "127.0.0.1", self._port)
+        try:
+            self._ready.put(server.sockets[0].getsockname()[1])
+            await self._stop.wait()
+        finally:
+            server.close()
+            if self._beat is not None:
+                self._beat.cancel()
+            for task in list(self._handlers):
+                task.cancel()
+            await asyncio.gather(*self._handlers, return_exceptions=True)
+            await server.wait_closed()
+
+    async def _beat_loop(self, interval_s: float) -> None:
+        while True:
+            if self._conn is not None:
+                self._conn[1].write_nowait(CoordHeartbeat())
+            await asyncio.sleep(interval_s)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        fr, fw = FrameReader(reader, self._secret), FrameWriter(writer, self._secret)
+        try:
+            hello = await fr.read()
+            if not isinstance(hello, Hello):
+                return
+            self.received.put((time.monotonic(), hello))
+            reply = self._reply(hello)
+            if reply is not None:
+                await fw.write(reply)
+            if isinstance(reply, Reject):
+                return
+            self._conn = (writer, fw)
+            self.connected.set()
+            while (frame := await fr.read()) is not None:
+                self.received.put((time.monotonic(), frame))
+        except (FrameError, OSError):
+            pass
+        finally:
+            self._handlers.discard(task)
+            self.received.put((time.monotonic(), None))
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+@pytest.fixture
+def coord() -> Iterator[FakeCoordinator]:
+    server = FakeCoordinator().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+BridgeFactory = Callable[..., RankBridge]
+
+
+@pytest.fixture
+def make_bridge() -> Iterator[BridgeFactory]:
+    """Builds bridges (hard exit off: an in-process bridge must never end pytest) and closes
+    every one of them at teardown."""
+    made: list[RankBridge] = []
+
+    def make(port: int, **kwargs: object) -> RankBridge:
+        kwargs.setdefault("hard_exit_grace_s", None)
+        bridge = RankBridge("127.0.0.1", port, SECRET, _hello(), **kwargs)  # type: ignore[arg-type]
+        made.append(bridge)
+        return bridge
+
+    try:
+        yield make
+    finally:
+        for bridge in made:
+            bridge.close(timeout=2.0)
+            assert bridge._thread is None or not bridge._thread.is_alive()
+
+
+# ---------------------------------------------------------------------------------------------
+# Handshake
+# ---------------------------------------------------------------------------------------------
+
+
+@LOOPS
+def test_handshake_returns_the_accept(
+    coord: FakeCoordinator,
+    make_bridge: BridgeFactory,
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None,
+) -> None:
+    bridge = make_bridge(coord.port, loop_factory=loop_factory)
+    accept = bridge.start()
+    assert accept == _accept(_hello())
+    assert bridge.accepted == accept
+    assert not bridge.lost
+    assert bridge.lost_reason == ""
+    _, hello = coord.received.get(timeout=WAIT_S)
+    assert hello == _hello()
+    with pytest.raises(LocalProtocolError, match="twice"):
+        bridge.start()
+
+
+def test_reject_raises_with_the_coordinators_reason(make_bridge: BridgeFactory) -> None:
+    server = FakeCoordinator(reply=lambda h: Reject(reason=f"duplicate rank {h.rank}")).start()
+    try:
+        bridge = make_bridge(server.port)
+        with pytest.raises(RemoteProtocolError, match="duplicate rank 0"):
+            bridge.start()
+        assert bridge.accepted is None
+        assert bridge._thread is not None and not bridge._thread.is_alive()
+        bridge.close()  # no-op after a failed start
+    finally:
+        server.stop()
+
+
+def test_wrong_secret_fails_the_handshake(make_bridge: BridgeFactory) -> None:
+    server = FakeCoordinator(secret=b"another-secret-0123456789abcdef!!").start()
+    try:
+        bridge = make_bridge(server.port)
+        with pytest.raises(CoordinatorLost, match="handshake"):
+            bridge.start()
+    finally:
+        server.stop()
+
+
+def test_silent_coordinator_fails_the_handshake_after_liveness_timeout(
+    make_bridge: BridgeFactory,
+) -> None:
+    server = FakeCoordinator(reply=lambda h: None).start()
+    try:
+        bridge = make_bridge(server.port, liveness_timeout_s=0.3)
+        t0 = time.monotonic()
+        with pytest.raises(CoordinatorLost, match="no handshake reply"):
+            bridge.start()
+        assert time.monotonic() - t0 < 0.3 + 2.0
+    finally:
+        server.stop()
+
+
+def test_connecting_before_the_coordinator_listens(make_bridge: BridgeFactory) -> None:
+    port = _free_port()
+    retried = threading.Event()
+
+    class _OnRetry(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "retrying" in record.getMessage():
+                retried.set()
+
+    log = logging.getLogger("flodl.rank.bridge")
+    handler, old_level = _OnRetry(logging.DEBUG), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    server: FakeCoordinator | None = None
+    try:
+        bridge = make_bridge(port, connect_timeout_s=20.0)
+        with ThreadPoolExecutor(1) as pool:
+            started = pool.submit(bridge.start)
+            assert retried.wait(WAIT_S), "the bridge never retried"
+            assert not started.done()
+            server = FakeCoordinator(port=port).start()
+            assert started.result(WAIT_S) == _accept(_hello())
+        bridge.close(timeout=2.0)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+        if server is not None:
+            server.stop()
+
+
+def test_connect_timeout_raises_coordinator_lost(make_bridge: BridgeFactory) -> None:
+    port = _free_port()
+    bridge = make_bridge(port, connect_timeout_s=0.6)
+    t0 = time.monotonic()
+    with pytest.raises(CoordinatorLost, match=f"127.0.0.1:{port}"):
+        bridge.start()
+    assert 0.5 <= time.monotonic() - t0 < 0.6 + 2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Heartbeats and frames
+# ---------------------------------------------------------------------------------------------
+
+
+@LOOPS
+def test_heartbeats_arrive_every_heartbeat_s_with_the_latest_step(
+    coord: FakeCoordinator,
+    make_bridge: BridgeFactory,
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None,
+) -> None:
+    bridge = make_bridge(coord.port, heartbeat_s=0.05, loop_factory=loop_factory)
+    bridge.start()
+    bridge.set_step(7)
+    while (beat := coord.next_frame(Heartbeat)[1]) != Heartbeat(rank=0, step=7):
+        assert beat == Heartbeat(rank=0, step=0)
+    bridge.set_step(9)
+    while (beat := coord.next_frame(Heartbeat)[1]) != Heartbeat(rank=0, step=9):
+        assert beat == Heartbeat(rank=0, step=7)
+    times = []
+    for _ in range(8):
+        at, beat = coord.next_frame(Heartbeat)
+        assert beat == Heartbeat(rank=0, step=9)
+        times.append(at)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert 0.03 <= statistics.median(gaps) <= 0.25, gaps
+    with pytest.raises(LocalProtocolError):
+        bridge.set_step(-1)
+
+
+@LOOPS
+def test_coordinator_frames_arrive_in_order_then_eof_is_lost(
+    coord: FakeCoordinator,
+    make_bridge: BridgeFactory,
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None,
+) -> None:
+    bridge = make_bridge(coord.port, loop_factory=loop_factory)
+    bridge.start()
+    assert bridge.poll() is None
+    assert bridge.recv(timeout=0.0) is None
+    sent: list[CoordFrame] = []
+    for i in range(200):
+        sent.append(SetGlobalStep(global_step=i) if i % 2 else SyncNow(cycle=i))
+    sent.append(StartEpoch(plan=EpochPlan(epoch=1, partition_offset=64, partition_size=128)))
+    coord.send(*sent)
+    got = [bridge.recv(timeout=WAIT_S) for _ in sent]
+    assert got == sent
+    coord.send(Throttle())
+    coord.send_eof()
+    assert bridge.lost.wait(WAIT_S)
+    # frames that arrived before the loss are still delivered, then the loss is raised
+    assert bridge.poll() == Throttle()
+    with pytest.raises(CoordinatorLost, match="EOF"):
+        bridge.poll()
+    with pytest.raises(CoordinatorLost, match="EOF"):
+        bridge.recv(timeout=WAIT_S)
+    with pytest.raises(CoordinatorLost):
+        bridge.send(Exiting(rank=0))
+
+
+def test_server_eof_marks_lost_promptly(coord: FakeCoordinator, make_bridge: BridgeFactory) -> None:
+    reasons: queue.SimpleQueue[str] = queue.SimpleQueue()
+    bridge = make_bridge(coord.port, on_lost=reasons.put)
+    bridge.start()
+    assert coord.connected.wait(WAIT_S)
+    t0 = time.monotonic()
+    coord.send_eof()
+    assert bridge.lost.wait(WAIT_S)
+    assert time.monotonic() - t0 < 1.0
+    assert "EOF" in bridge.lost_reason
+    assert reasons.get(timeout=WAIT_S) == bridge.lost_reason
+    with pytest.raises(queue.Empty):
+        reasons.get(timeout=0.1)  # called once
+
+
+def test_connection_reset_marks_lost_promptly(
+    coord: FakeCoordinator, make_bridge: BridgeFactory
+) -> None:
+    bridge = make_bridge(coord.port)
+    bridge.start()
+    assert coord.connected.wait(WAIT_S)
+    t0 = time.monotonic()
+    coord.reset_connection()
+    assert bridge.lost.wait(WAIT_S)
+    assert time.monotonic() - t0 < 1.0
+    assert "ConnectionResetError" in bridge.lost_reason
+    with pytest.raises(CoordinatorLost, match="reset"):
+        bridge.recv(timeout=WAIT_S)
+
+
+def test_blocked_recv_wakes_at_the_loss(coord: FakeCoordinator, make_bridge: BridgeFactory) -> None:
+    bridge = make_bridge(coord.port)
+    bridge.start()
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(bridge.recv, None)
+        coord.send_eof()
+        with pytest.raises(CoordinatorLost, match="EOF"):
+            waiting.result(WAIT_S)
+
+
+def test_bad_frame_marks_lost(coord: FakeCoordinator, make_bridge: BridgeFactory) -> None:
+    bridge = make_bridge(coord.port)
+    bridge.start()
+    assert coord.connected.wait(WAIT_S)
+    coord.write_raw(b"\x00\x00\x00\x05hello" + bytes(16))  # well-formed length, bad tag
+    assert bridge.lost.wait(WAIT_S)
+    assert "bad frame" in bridge.lost_reason
+    with pytest.raises(CoordinatorLost, match="auth tag"):
+        bridge.recv(timeout=WAIT_S)
+
+
+# ---------------------------------------------------------------------------------------------
+# Coordinator liveness
+# ---------------------------------------------------------------------------------------------
+
+
+def test_coord_heartbeats_keep_it_alive_and_are_not_queued(
+    coord: FakeCoordinator, make_bridge: BridgeFactory
+) -> None:
+    bridge = make_bridge(coord.port, liveness_timeout_s=0.3)
+    bridge.start()
+    coord.start_heartbeats(0.05)
+    assert not bridge.lost.wait(1.0), bridge.lost_reason  # > 3 liveness timeouts
+    coord.send(Throttle())
+    assert bridge.recv(timeout=WAIT_S) == Throttle()  # ~20 coord heartbeats came before it
+    assert bridge.poll() is None
+    coord.stop_heartbeats()
+    assert bridge.lost.wait(WAIT_S)
+    assert "liveness timeout 0.3 s" in bridge.lost_reason
+
+
+def test_silence_marks_lost_after_liveness_timeout(
+    coord: FakeCoordinator, make_bridge: BridgeFactory
+) -> None:
+    reasons: queue.SimpleQueue[str] = queue.SimpleQueue()
+    bridge = make_bridge(coord.port, liveness_timeout_s=0.3, on_lost=reasons.put)
+    t0 = time.monotonic()
+    bridge.start()
+    assert bridge.lost.wait(WAIT_S)
+    elapsed = time.monotonic() - t0
+    assert 0.29 <= elapsed < 0.3 + 2.0
+    assert "no frame from the coordinator" in bridge.lost_reason
+    assert "liveness timeout 0.3 s" in bridge.lost_reason
+    assert reasons.get(timeout=WAIT_S) == bridge.lost_reason
+    with pytest.raises(CoordinatorLost, match="liveness timeout"):
+        bridge.recv(timeout=WAIT_S)
+    with pytest.raises(CoordinatorLost, match="liveness timeout"):
+        bridge.recv(timeout=WAIT_S)  # stays raised
+    with pytest.raises(CoordinatorLost, match="liveness timeout"):
+        bridge.send(Exiting(rank=0))
+    # the bridge dropped the connection: the coordinator sees it end
+    assert coord.next_frame()[1] is None
+
+
+# ---------------------------------------------------------------------------------------------
+# close()
+# ---------------------------------------------------------------------------------------------
+
+
+@LOOPS
+def test_close_flushes_frames_sent_just_before_it(
+    coord: FakeCoordinator,
+    make_bridge: BridgeFactory,
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None,
+) -> None:
+    bridge = make_bridge(coord.port, loop_factory=loop_factory)
+    bridge.start()
+    metrics = [
+        Metrics(
+            rank=0,
+            epoch=0,
+            avg_loss=0.5,
+            batches_processed=i,
+            samples_processed=i,
+            epoch_ms=1.0,
+            share_complete_ms=1.0,
+            compute_only_ms=1.0,
+        )
+        for i in range(50)
+    ]
+    for m in metrics:
+        bridge.send(m)
+    bridge.send(Exiting(rank=0))
+    t0 = time.monotonic()
+    bridge.close()
+    assert time.monotonic() - t0 < 2.0
+    got: list[AnyFrame] = []
+    while (frame := coord.next_frame()[1]) is not None:
+        got.append(frame)
+    assert got == [*metrics, Exiting(rank=0)]
+    assert not bridge.lost
+    bridge.close()  # idempotent
+    with pytest.raises(LocalProtocolError, match="after close"):
+        bridge.send(Exiting(rank=0))
+    with pytest.raises(LocalProtocolError, match="closed"):
+        bridge.recv(timeout=WAIT_S)
+
+
+def test_close_is_bounded_when_the_coordinator_never_closes(
+    coord: FakeCoordinator, make_bridge: BridgeFactory
+) -> None:
+    """The coordinator ignores our EOF (it keeps its side open): close() lingers at most its
+    bound, and a frame arriving during the linger does not count as a loss."""
+    bridge = make_bridge(coord.port)
+    bridge.start()
+    coord.send(Shutdown())
+    assert bridge.recv(timeout=WAIT_S) == Shutdown()
+    t0 = time.monotonic()
+    bridge.close(timeout=0.5)
+    assert time.monotonic() - t0 < 0.5 + 1.0
+    assert not bridge.lost
+
+
+def test_send_before_start_is_a_local_error(make_bridge: BridgeFactory) -> None:
+    bridge = make_bridge(_free_port())
+    with pytest.raises(LocalProtocolError, match="before start"):
+        bridge.send(Exiting(rank=0))
+    with pytest.raises(LocalProtocolError, match="before start"):
+        bridge.recv(timeout=None)
+    with pytest.raises(LocalProtocolError, match="before start"):
+        bridge.poll()
+    bridge.close()
+    with pytest.raises(LocalProtocolError, match="after close"):
+        bridge.start()
+
+
+def test_a_loss_arms_the_hard_exit_until_close(
+    coord: FakeCoordinator, make_bridge: BridgeFactory
+) -> None:
+    """In process, so with a grace far beyond the test: only the timer's state is checked."""
+    bridge = make_bridge(coord.port, hard_exit_grace_s=60.0)
+    bridge.start()
+    coord.send_eof()
+    assert bridge.lost.wait(WAIT_S)
+    timer = bridge._hard_exit_timer
+    assert timer is not None and timer.is_alive()
+    bridge.close(timeout=2.0)
+    timer.join(WAIT_S)
+    assert not timer.is_alive()
+
+
+def test_eof_after_shutdown_is_lost_but_arms_no_hard_exit(
+    coord: FakeCoordinator, make_bridge: BridgeFactory
+) -> None:
+    """After shutdown the main thread writes its files on the coordinator's orders: a
+    coordinator that then closes must not get the rank killed mid-write."""
+    bridge = make_bridge(coord.port, hard_exit_grace_s=60.0)
+    bridge.start()
+    coord.send(Shutdown())
+    coord.send_eof()
+    assert bridge.lost.wait(WAIT_S)
+    assert bridge._hard_exit_timer is None
+    assert bridge.recv(timeout=WAIT_S) == Shutdown()
+    with pytest.raises(CoordinatorLost, match="EOF"):
+        bridge.recv(timeout=WAIT_S)
+
+
+# ---------------------------------------------------------------------------------------------
+# Child processes: hard exit, and no torch
+# ---------------------------------------------------------------------------------------------
+
+_CHILD = textwrap.dedent(
+    """
+    import logging, sys, threading
+    from flodl.rank.bridge import RankBridge
+    from flodl.wire.frames import Hello
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    port, mode = int(sys.argv[1]), sys.argv[2]
+    bridge = RankBridge(
+        "127.0.0.1", port, {secret!r},
+        Hello(run_id="bridge-test", rank=0, world_size=2, model_signature={sig!r}),
+        heartbeat_s=0.05, liveness_timeout_s={timeout!r}, hard_exit_grace_s={grace!r},
+        on_lost=lambda reason: print("lost:", reason, flush=True),
+    )
+    bridge.start()
+    print("accepted", flush=True)
+    if mode == "hang":
+        threading.Event().wait()  # a main thread stuck forever
+    assert bridge.lost.wait(10.0)
+    bridge.close()
+    threading.Event().wait({grace!r} + 0.5)  # outlive the grace: no hard exit after close()
+    print("survived", flush=True)
+    """
+)
+LIVENESS_S = 0.3
+GRACE_S = 0.5
+
+
+def _run_child(port: int, mode: str) -> tuple[float, int, str, str]:
+    """Run the child until it exits; return (seconds from its accept to its exit, exit code,
+    stdout after the accept line, stderr)."""
+    script = _CHILD.format(secret=SECRET, sig=SIGNATURE, timeout=LIVENESS_S, grace=GRACE_S)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(port), mode],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # bounded by the test timeout; '' if the child died
+        t0 = time.monotonic()
+        assert first == "accepted\n", (first, proc.stderr.read() if proc.stderr else "")
+        out, err = proc.communicate(timeout=LIVENESS_S + GRACE_S + 5.0)
+        return time.monotonic() - t0, proc.returncode, out, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def test_hard_exit_when_the_main_thread_never_closes(coord: FakeCoordinator) -> None:
+    elapsed, code, out, err = _run_child(coord.port, "hang")
+    assert code == HARD_EXIT_CODE, err
+    assert elapsed <= LIVENESS_S + GRACE_S + 2.0
+    assert elapsed >= LIVENESS_S + GRACE_S - 0.05
+    assert "lost: no frame from the coordinator" in out
+    assert "exit code 3" in err
+
+
+def test_close_after_the_loss_disarms_the_hard_exit(coord: FakeCoordinator) -> None:
+    elapsed, code, out, err = _run_child(coord.port, "close")
+    assert code == 0, err
+    assert "survived" in out
+    assert elapsed >= LIVENESS_S + GRACE_S
+
+
+def test_importing_the_bridge_does_not_import_torch() -> None:
+    probe = (
+        "import sys\n"
+        "import flodl.rank.bridge\n"
+        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "assert not loaded, loaded\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=25,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
