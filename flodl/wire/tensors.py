@@ -35,6 +35,24 @@ unspecified and the caller must discard them**; the reduce server receives into 
 buffers for this reason. A mismatch between the frame and ``out`` (count, shape, dtype) and an
 oversize frame are detected from the header and table, before any payload byte is written.
 
+Streaming senders and receivers: :func:`encode_frame_parts` returns a frame without its tag,
+so a sender can put the payloads on the wire while another thread computes :func:`frame_tag`;
+:func:`read_frame_prefix` and :func:`read_frame_payloads` split :func:`read_tensor_frame` for a
+receiver that looks at the header and table before it picks the destination tensors.
+
+Data channel handshake (the first bytes on a reduce connection, before any frame; both messages
+are :data:`HELLO_BYTES` = 29 bytes, fields in network byte order)::
+
+    hello, rank -> server
+      magic u32 = 0xF10D17C0 | version u8 = DATA_PROTOCOL_VERSION | rank u32 | world_size u32
+      | tag: HMAC-SHA256(secret, the 13 preceding bytes), first 16 bytes
+    ack, server -> rank
+      magic u32 = 0xF10D17C1 | version u8 | rank u32 | world_size u32 (echoed)
+      | tag: HMAC-SHA256(secret, the 13 preceding bytes + the hello's tag), first 16 bytes
+
+The ack's tag covers the hello's tag, so it answers that hello and proves the server holds the
+secret; a refused hello gets no answer (the server logs why and closes the connection).
+
 Throughput ceiling: HMAC-SHA256 is sequential and runs at about 2 GB/s per core even with SHA
 extensions, so authenticating a frame costs more than moving its bytes; the bf16 wire halves it.
 """
@@ -77,11 +95,24 @@ __all__ = [
     "entry_nbytes",
     "frame_ceiling",
     "encode_tensor_frame",
+    "encode_frame_parts",
+    "frame_tag",
     "frame_nbytes",
     "send_buffers",
     "parse_header",
     "read_tensor_frame",
+    "FramePrefix",
+    "read_frame_prefix",
+    "read_frame_payloads",
     "decode_tensor_frame",
+    "HELLO_MAGIC",
+    "ACK_MAGIC",
+    "DATA_PROTOCOL_VERSION",
+    "HELLO_BYTES",
+    "encode_data_hello",
+    "parse_data_hello",
+    "encode_data_ack",
+    "check_data_ack",
 ]
 
 if sys.byteorder != "little":  # pragma: no cover - every torch CPU target today is little-endian
@@ -370,6 +401,22 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(arr).cast("B")
 
 
+def _check_frame_args(kind: TensorKind | int, weight: float, round: int, count: int) -> TensorKind:
+    """Validate the header fields of a frame to send; return the kind as a :class:`TensorKind`."""
+    try:
+        kind = TensorKind(kind)
+    except ValueError:
+        raise LocalProtocolError(f"unknown tensor frame kind {kind!r}") from None
+    problem = _weight_problem(weight)
+    if problem is not None:
+        raise LocalProtocolError(problem)
+    if not 0 <= round <= _MAX_ROUND:
+        raise LocalProtocolError(f"round {round} does not fit in a u64")
+    if count > MAX_TENSORS:
+        raise LocalProtocolError(f"too many tensors: {count} > {MAX_TENSORS}")
+    return kind
+
+
 def encode_tensor_frame(
     tensors: Sequence[torch.Tensor],
     *,
@@ -406,48 +453,117 @@ def encode_tensor_frame(
         LocalProtocolError: a value the frame cannot carry (bad kind, weight, round, wire
             dtype, tensor dtype, ndim or dimension, too many tensors).
     """
-    try:
-        kind = TensorKind(kind)
-    except ValueError:
-        raise LocalProtocolError(f"unknown tensor frame kind {kind!r}") from None
-    problem = _weight_problem(weight)
-    if problem is not None:
-        raise LocalProtocolError(problem)
-    if not 0 <= round <= _MAX_ROUND:
-        raise LocalProtocolError(f"round {round} does not fit in a u64")
-    if len(tensors) > MAX_TENSORS:
-        raise LocalProtocolError(f"too many tensors: {len(tensors)} > {MAX_TENSORS}")
+    kind = _check_frame_args(kind, weight, round, len(tensors))
     if wire_dtype is not None and wire_dtype != torch.bfloat16:
         raise LocalProtocolError(f"wire_dtype must be None or torch.bfloat16, got {wire_dtype}")
 
+    wired = []
+    for index, tensor in enumerate(tensors):
+        t = _check_tensor(index, tensor).detach()
+        if t.dtype == torch.float32 and wire_dtype is not None:
+            t = t.to(device="cpu", dtype=torch.bfloat16)
+        wired.append(t.cpu().contiguous())  # both no-ops for a contiguous CPU tensor
+    head, payloads = _frame_parts(wired, kind, weight, round, elide_zeros, all_zero=False)
+    return [head, *payloads, frame_tag(secret, head, payloads)]
+
+
+def _check_tensor(index: int, tensor: torch.Tensor) -> torch.Tensor:
+    """Refuse a tensor a frame cannot carry (dtype, ndim, a dimension over u32)."""
+    if tensor.dtype not in _WIRE_DTYPE:
+        raise LocalProtocolError(f"tensor {index}: unsupported dtype {tensor.dtype}")
+    if tensor.dim() > MAX_NDIM:
+        raise LocalProtocolError(f"tensor {index}: ndim {tensor.dim()} > {MAX_NDIM}")
+    if any(d > _MAX_DIM for d in tensor.shape):
+        raise LocalProtocolError(f"tensor {index}: dimension over u32 in {tuple(tensor.shape)}")
+    return tensor
+
+
+def _frame_parts(
+    tensors: Sequence[torch.Tensor],
+    kind: TensorKind,
+    weight: float,
+    round: int,
+    elide_zeros: bool,
+    *,
+    all_zero: bool,
+) -> tuple[bytes, list[memoryview]]:
+    """Header + table and payload views of already validated, contiguous CPU tensors."""
     table = [_HEADER.pack(MAGIC, VERSION, kind, 0, 0, float(weight), round, len(tensors))]
     payloads: list[memoryview] = []
-    for index, tensor in enumerate(tensors):
-        wire = _WIRE_DTYPE.get(tensor.dtype)
-        if wire is None:
-            raise LocalProtocolError(f"tensor {index}: unsupported dtype {tensor.dtype}")
-        if tensor.dim() > MAX_NDIM:
-            raise LocalProtocolError(f"tensor {index}: ndim {tensor.dim()} > {MAX_NDIM}")
-        if any(d > _MAX_DIM for d in tensor.shape):
-            raise LocalProtocolError(f"tensor {index}: dimension over u32 in {tuple(tensor.shape)}")
-        t = tensor.detach()
-        if wire is WireDtype.F32 and wire_dtype is not None:
-            t, wire = t.to(device="cpu", dtype=torch.bfloat16), WireDtype.BF16
-        t = t.cpu().contiguous()  # both no-ops for a contiguous CPU tensor
+    for t in tensors:
+        wire = _WIRE_DTYPE[t.dtype]
         numel = t.numel()
-        elided = elide_zeros and numel > 0 and _all_zero(t)
+        elided = numel > 0 and (all_zero or (elide_zeros and _all_zero(t)))
         nbytes = 0 if elided else numel * wire.itemsize
         table.append(_ENTRY_PREFIX.pack(wire, t.dim()))
         table.append(_DIMS[t.dim()].pack(*t.shape))
         table.append(_ENTRY_NBYTES.pack(nbytes))
         if nbytes:
             payloads.append(_byte_view(t))
+    return b"".join(table), payloads
 
-    head = b"".join(table)
+
+def encode_frame_parts(
+    tensors: Sequence[torch.Tensor],
+    *,
+    kind: TensorKind | int,
+    weight: float,
+    round: int,  # the protocol's word; the builtin is not used here
+    elide_zeros: bool = True,
+    all_zero: bool = False,
+) -> tuple[bytes, list[memoryview]]:
+    """The frame of ``tensors`` without its tag, for senders that authenticate while sending.
+
+    The frame is ``head``, then the payloads, then :func:`frame_tag` of both. Nothing is
+    converted or copied: every tensor must already be a contiguous CPU tensor of a wire dtype
+    (float32, bfloat16, float64, int64), and, as for :func:`encode_tensor_frame`, must not be
+    modified until the frame is sent. Since the tag ends the frame, a sender may put the head
+    and payloads on the wire while another thread computes the tag over the same memory (both
+    ``hmac`` and ``sendmsg`` release the GIL), which hides one authentication pass.
+
+    Args:
+        tensors: contiguous CPU tensors, at most 65 536, ndim <= 8.
+        kind: what the frame carries.
+        weight: finite and >= 0.
+        round: reduce round, 0 <= round < 2**64.
+        elide_zeros: as for :func:`encode_tensor_frame`.
+        all_zero: the caller knows every tensor is all zeros: elide every payload without
+            reading the tensors' contents (an idle rank's upload, a round with no weight).
+            Only shapes and dtypes are read, so any layout will do, e.g. the zero-stride
+            ``torch.zeros((), dtype=d).expand(shape)``.
+
+    Returns:
+        ``(head, payloads)``: header and table as one ``bytes``; one ``memoryview`` per
+        payload that is not elided, in table order.
+
+    Raises:
+        LocalProtocolError: a value the frame cannot carry, or (unless ``all_zero``) a tensor
+            that is not a contiguous CPU tensor.
+    """
+    kind = _check_frame_args(kind, weight, round, len(tensors))
+    for index, tensor in enumerate(tensors):
+        _check_tensor(index, tensor)
+        if not all_zero and (tensor.device.type != "cpu" or not tensor.is_contiguous()):
+            raise LocalProtocolError(f"tensor {index}: must be a contiguous CPU tensor")
+    detached = [t.detach() for t in tensors]
+    return _frame_parts(detached, kind, weight, round, elide_zeros, all_zero=all_zero)
+
+
+def frame_tag(secret: bytes, head: bytes, payloads: Sequence[memoryview | bytes]) -> bytes:
+    """The auth tag that ends the frame ``head`` + ``payloads`` (see :func:`encode_frame_parts`).
+
+    Args:
+        secret: the run secret (HMAC key).
+        head: header and table.
+        payloads: the payload buffers, in order.
+
+    Returns:
+        The first :data:`TAG_BYTES` bytes of HMAC-SHA256(secret, head + payloads).
+    """
     mac = hmac.new(secret, head, "sha256")
     for payload in payloads:
         mac.update(payload)
-    return [head, *payloads, mac.digest()[:TAG_BYTES]]
+    return mac.digest()[:TAG_BYTES]
 
 
 def frame_nbytes(buffers: Sequence[memoryview | bytes]) -> int:
@@ -604,6 +720,20 @@ def read_tensor_frame(
     if size > max_frame_bytes:
         raise FrameError(f"tensor frame of {size} bytes exceeds the {max_frame_bytes} byte ceiling")
 
+    _read_payloads(recv_into, layout, out, mac, scratch, zero_elided=True)
+    return header
+
+
+def _read_payloads(
+    recv_into: Callable[[memoryview], int],
+    layout: TensorLayout,
+    out: Sequence[torch.Tensor],
+    mac: hmac.HMAC,
+    scratch: torch.Tensor | None,
+    *,
+    zero_elided: bool,
+) -> None:
+    """Receive the payloads of ``layout`` into ``out`` (already checked), then check the tag."""
     direct = [
         spec.nbytes > 0
         and dst.dtype == spec.dtype.torch_dtype
@@ -622,7 +752,8 @@ def read_tensor_frame(
         for index, (spec, dst) in enumerate(zip(layout.specs, out, strict=True)):
             what = f"tensor {index} payload"
             if spec.elided:
-                dst.zero_()
+                if zero_elided:
+                    dst.zero_()
             elif direct[index]:
                 _recv_exactly(recv_into, _byte_view(dst), mac, what)
             elif spec.nbytes:
@@ -635,7 +766,144 @@ def read_tensor_frame(
     _recv_exactly(recv_into, tag, None, "auth tag")
     if not hmac.compare_digest(mac.digest()[:TAG_BYTES], tag):
         raise FrameError("bad tensor frame auth tag (wrong run secret or corrupted frame)")
-    return header
+
+
+@dataclass(frozen=True, slots=True)
+class FramePrefix:
+    """The header and table of a frame whose payloads are still on the wire.
+
+    Returned by :func:`read_frame_prefix`, consumed once by :func:`read_frame_payloads`.
+
+    Attributes:
+        header: the validated fixed header.
+        layout: the parsed tensor table.
+        mac: the running HMAC over every byte read so far (header and table).
+    """
+
+    header: FrameHeader
+    layout: TensorLayout
+    mac: hmac.HMAC
+
+
+def read_frame_prefix(
+    recv_into: Callable[[memoryview], int],
+    *,
+    secret: bytes,
+    max_frame_bytes: int,
+    table_nbytes: int | None = None,
+) -> FramePrefix:
+    """Receive and validate the header and table of one frame, leaving its payloads unread.
+
+    The receiving half of :func:`read_tensor_frame` for a reader that decides where the
+    payloads go only after seeing the header (its kind, round, weight) and the table (a
+    receiver that allocates its buffers from the first frame). Nothing is authenticated yet:
+    the tag is checked by :func:`read_frame_payloads`, so act on nothing here but what
+    rejecting the frame needs.
+
+    Args:
+        recv_into: as for :func:`read_tensor_frame`.
+        secret: the run secret (HMAC key).
+        max_frame_bytes: ceiling on the whole frame, checked before any payload is read.
+        table_nbytes: size of the table when the reader knows it (a frame like the previous
+            one: :attr:`TensorLayout.table_nbytes`); it is then read in one call. ``None``
+            reads the table entry by entry (two reads per tensor).
+
+    Returns:
+        The prefix, to pass to :func:`read_frame_payloads`.
+
+    Raises:
+        FrameError: bad header or table, a table of another size than ``table_nbytes``,
+            oversize, or EOF.
+    """
+    mac = hmac.new(secret, digestmod="sha256")
+    head = memoryview(bytearray(HEADER_BYTES))
+    _recv_exactly(recv_into, head, mac, "header")
+    header = parse_header(head)
+    room = max_frame_bytes - HEADER_BYTES - TAG_BYTES
+    if table_nbytes is not None:
+        if table_nbytes > room:
+            raise FrameError(
+                f"tensor frame exceeds the {max_frame_bytes} byte ceiling: its table alone is "
+                f"{table_nbytes} bytes"
+            )
+        table = memoryview(bytearray(table_nbytes))
+        _recv_exactly(recv_into, table, mac, "tensor table")
+        layout = TensorLayout.parse(table, header.num_tensors)
+        if layout.table_nbytes != table_nbytes:
+            raise FrameError(
+                f"tensor table of {layout.table_nbytes} bytes where {table_nbytes} were expected"
+            )
+    else:
+        grown = bytearray()
+        for index in range(header.num_tensors):
+            prefix = memoryview(bytearray(_ENTRY_PREFIX.size))
+            _recv_exactly(recv_into, prefix, mac, f"tensor table entry {index}")
+            if prefix[1] > MAX_NDIM:
+                raise FrameError(
+                    f"tensor {index}: ndim {prefix[1]} exceeds the maximum of {MAX_NDIM}"
+                )
+            rest = memoryview(bytearray(entry_nbytes(prefix[1]) - prefix.nbytes))
+            if len(grown) + prefix.nbytes + rest.nbytes > room:
+                raise FrameError(
+                    f"tensor frame exceeds the {max_frame_bytes} byte ceiling in its table"
+                )
+            grown += prefix
+            _recv_exactly(recv_into, rest, mac, f"tensor table entry {index}")
+            grown += rest
+        layout = TensorLayout.parse(grown, header.num_tensors)
+    if layout.frame_nbytes > max_frame_bytes:
+        raise FrameError(
+            f"tensor frame of {layout.frame_nbytes} bytes exceeds the {max_frame_bytes} byte "
+            "ceiling"
+        )
+    return FramePrefix(header, layout, mac)
+
+
+def read_frame_payloads(
+    recv_into: Callable[[memoryview], int],
+    prefix: FramePrefix,
+    out: Sequence[torch.Tensor],
+    *,
+    scratch: torch.Tensor | None = None,
+    zero_elided: bool = True,
+) -> None:
+    """Receive the payloads and tag of the frame ``prefix`` began, into ``out``.
+
+    Same placement rules as :func:`read_tensor_frame` (direct receive, or staging through
+    ``scratch`` for a bf16 payload bound for float32). On a :class:`FrameError` the contents of
+    ``out`` are unspecified.
+
+    Args:
+        recv_into: the reader :func:`read_frame_prefix` read from.
+        prefix: what :func:`read_frame_prefix` returned for this frame (use it once).
+        out: one destination per tensor of the frame, same shapes.
+        scratch: optional uint8 staging buffer, grown in place when too small.
+        zero_elided: write zeros into the destination of an elided (all-zero) tensor;
+            ``False`` leaves such a destination untouched, for a receiver that will not read
+            it (an upload of weight 0).
+
+    Raises:
+        FrameError: a count, shape or dtype mismatch against ``out`` (before any byte is
+            written), EOF, or a bad tag.
+        LocalProtocolError: ``scratch`` is not a contiguous uint8 CPU tensor.
+    """
+    if scratch is not None:
+        _check_scratch(scratch)
+    layout = prefix.layout
+    if len(out) != len(layout.specs):
+        raise FrameError(
+            f"tensor count mismatch: frame has {len(layout.specs)}, out has {len(out)}"
+        )
+    for index, (spec, dst) in enumerate(zip(layout.specs, out, strict=True)):
+        if spec.shape != tuple(dst.shape):
+            raise FrameError(
+                f"tensor {index}: shape mismatch: frame {spec.shape}, out {tuple(dst.shape)}"
+            )
+        if not _accepts(spec.dtype, dst.dtype):
+            raise FrameError(
+                f"tensor {index}: dtype mismatch: frame {spec.dtype.name}, out {dst.dtype}"
+            )
+    _read_payloads(recv_into, layout, out, prefix.mac, scratch, zero_elided=zero_elided)
 
 
 def _check_scratch(scratch: torch.Tensor) -> None:
@@ -703,3 +971,80 @@ def decode_tensor_frame(
     if reader.remaining:
         raise FrameError(f"{reader.remaining} trailing bytes after the tensor frame")
     return header
+
+
+HELLO_MAGIC = 0xF10D17C0
+"""First four bytes of a data channel hello (the original's handshake magic)."""
+ACK_MAGIC = 0xF10D17C1
+"""First four bytes of the server's answer to a hello."""
+DATA_PROTOCOL_VERSION = 1
+"""Version of the data channel (handshake and round protocol); a hello with another is refused."""
+_HELLO = struct.Struct("!IBII")
+HELLO_BYTES = _HELLO.size + TAG_BYTES
+"""Size of a hello and of an ack (29 bytes)."""
+
+
+def _handshake_message(
+    magic: int, rank: int, world_size: int, secret: bytes, bound: bytes
+) -> bytes:
+    if not (0 <= rank < world_size <= 0xFFFFFFFF):
+        raise LocalProtocolError(f"rank {rank} is not in a world of {world_size}")
+    fields = _HELLO.pack(magic, DATA_PROTOCOL_VERSION, rank, world_size)
+    return fields + hmac.new(secret, fields + bound, "sha256").digest()[:TAG_BYTES]
+
+
+def _parse_handshake(
+    data: bytes | bytearray | memoryview, magic: int, secret: bytes, bound: bytes, what: str
+) -> tuple[int, int]:
+    data = bytes(data)
+    if len(data) != HELLO_BYTES:
+        raise FrameError(f"{what} of {len(data)} bytes, expected {HELLO_BYTES}")
+    got_magic, version, rank, world_size = _HELLO.unpack_from(data)
+    if got_magic != magic:
+        raise FrameError(f"bad {what} magic 0x{got_magic:08x} (expected 0x{magic:08x})")
+    if version != DATA_PROTOCOL_VERSION:
+        raise FrameError(
+            f"{what} speaks data protocol version {version}, this build {DATA_PROTOCOL_VERSION}"
+        )
+    tag = hmac.new(secret, data[: _HELLO.size] + bound, "sha256").digest()[:TAG_BYTES]
+    if not hmac.compare_digest(tag, data[_HELLO.size :]):
+        raise FrameError(f"bad {what} auth tag (wrong run secret)")
+    return rank, world_size
+
+
+def encode_data_hello(secret: bytes, rank: int, world_size: int) -> bytes:
+    """The hello a rank sends first on its reduce connection.
+
+    Raises:
+        LocalProtocolError: ``rank`` is not in ``range(world_size)``.
+    """
+    return _handshake_message(HELLO_MAGIC, rank, world_size, secret, b"")
+
+
+def parse_data_hello(secret: bytes, data: bytes | bytearray | memoryview) -> tuple[int, int]:
+    """Authenticate a hello; return its ``(rank, world_size)`` (not range-checked).
+
+    Raises:
+        FrameError: wrong size, bad magic, other protocol version, or bad tag.
+    """
+    return _parse_handshake(data, HELLO_MAGIC, secret, b"", "hello")
+
+
+def encode_data_ack(secret: bytes, hello: bytes | bytearray | memoryview) -> bytes:
+    """The server's answer to the (already parsed) ``hello``."""
+    rank, world_size = _HELLO.unpack_from(hello)[2:]
+    return _handshake_message(ACK_MAGIC, rank, world_size, secret, bytes(hello)[_HELLO.size :])
+
+
+def check_data_ack(
+    secret: bytes, hello: bytes | bytearray | memoryview, ack: bytes | bytearray | memoryview
+) -> None:
+    """Check that ``ack`` answers ``hello`` (same rank and world size, tag over both).
+
+    Raises:
+        FrameError: the ack is malformed, echoes another rank or world size, or fails its tag.
+    """
+    bound = bytes(hello)[_HELLO.size :]
+    rank, world_size = _parse_handshake(ack, ACK_MAGIC, secret, bound, "ack")
+    if (rank, world_size) != tuple(_HELLO.unpack_from(hello)[2:]):
+        raise FrameError(f"ack for rank {rank} of {world_size} does not answer this hello")

@@ -1,0 +1,862 @@
+"""The CPU reduce server: the coordinator's averaging plane (DESIGN.md §2, §5; flodl-spec §4, §7.4).
+
+Shell module: threads and blocking sockets. It never imports asyncio: on loopback, blocking
+sockets move bulk data 6-8 times faster than asyncio streams, and every heavy step (``recv_into``,
+``sendmsg``, HMAC over large buffers, torch ops) releases the GIL, so the coordinator's event
+loop keeps its 1 ms cadence while a 256 MiB round is in flight.
+
+Threads (all started by :meth:`ReduceServer.start`, all joined by :meth:`ReduceServer.close`):
+
+* **accept thread**: accepts data connections and starts one connection thread for each.
+* **connection thread**, one per rank: handshake (:func:`~flodl.wire.tensors.encode_data_hello`
+  layout), then per round: receive the rank's PARAMS and BUFFERS frames into that rank's
+  preallocated buffers, report the upload, wait for the consensus, send it.
+* **fold worker**: folds each complete round (sum in torch, one division), publishes the
+  consensus frames, computes their auth tags *while* the connection threads already send the
+  payloads (the tag ends a frame), waits for the sends, then calls ``on_done``.
+* callers (the coordinator's event-loop thread): :meth:`~ReduceServer.open_round` and
+  :meth:`~ReduceServer.rank_dead` only take a lock for a few microseconds; they never block.
+
+A round (one averaging ``cycle``):
+
+1. Each expected rank uploads a PARAMS frame (``weight = w_k = n_k^gamma``, tensors pre-scaled
+   by ``w_k``; an idle rank sends weight 0 and elided zeros) and a BUFFERS frame (weight 1.0 for
+   a rank that stepped, a *mover*, else 0.0; unscaled float buffers). Uploads may arrive before
+   :meth:`~ReduceServer.open_round` (they wait for it); an upload to a round that is complete,
+   superseded or does not expect the rank closes that connection. Round 0 is the initial
+   broadcast: rank 0 uploads weight 1, the others weight 0, so the consensus is rank 0's state.
+   Payloads land in per-rank buffers allocated from that rank's first frame (one flat tensor
+   per dtype) and reused every round; a frame whose layout differs from the model's (the first
+   frame of its kind from any rank) is refused.
+2. The round is **complete** when every expected rank that is still live uploaded;
+   :meth:`~ReduceServer.rank_dead` removes a rank from every open round (and may complete one).
+   Completion freezes the contributor set: a rank declared dead before it is left out of the
+   sum even if it had uploaded, a rank declared dead after it is folded in.
+3. The worker sums, in rank order, the contributors' pre-scaled parameters and divides once by
+   ``W = sum(w_k)`` (work never received never enters the divisor); buffers are summed over the
+   movers and divided by their count. Accumulation is f32 (f64 tensors stay f64) whatever the
+   wire dtype. ``W = 0`` sends weight 0 with every tensor elided: ranks keep their own state.
+4. Each contributor still connected receives the consensus PARAMS frame (weight ``W``) and
+   BUFFERS frame (weight = number of movers), each tensor in the dtype that rank sent it in
+   (bf16 wire). Every distinct frame is encoded once and its buffers are shared by all sends.
+5. ``on_done(cycle, contributors, W)`` runs on the worker thread once every send finished or
+   failed; marshal it to the event loop (``loop.call_soon_threadsafe``).
+
+Failures: a bad frame (:class:`~flodl.errors.FrameError`: bad tag, wrong kind, a layout unlike
+the model's, bad buffers weight), a wrong round, a read timeout mid-frame (``read_timeout_s``;
+waiting for a round's first byte has no deadline, since windows may be long) or a send timeout
+closes **that** connection with a logged reason; the others keep being served. The server never
+declares deaths: a rank whose connection closed still counts as expected until the coordinator
+calls :meth:`~ReduceServer.rank_dead`, so the round waits. It cannot wedge for long, because
+the rank's client sees EOF, raises :class:`~flodl.errors.CoordinatorLost` and exits, and the
+child-exit report (or the heartbeat timeout, or at worst the reduce stall ceiling) reaches the
+coordinator, which calls ``rank_dead``. ``rank_dead`` also closes that rank's data connection,
+which aborts a send stuck on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import queue
+import select
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Self
+
+import torch
+
+from flodl.errors import FrameError, LocalProtocolError
+from flodl.wire.tensors import (
+    DEFAULT_MAX_FRAME_BYTES,
+    HELLO_BYTES,
+    FrameHeader,
+    TensorKind,
+    TensorLayout,
+    WireDtype,
+    encode_data_ack,
+    encode_frame_parts,
+    frame_tag,
+    parse_data_hello,
+    read_frame_payloads,
+    read_frame_prefix,
+    send_buffers,
+)
+
+__all__ = ["ReduceServer", "HANDSHAKE_TIMEOUT_S", "READ_TIMEOUT_S"]
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 10.0
+"""How long a new connection may take to send its hello (flodl-spec §7.4)."""
+READ_TIMEOUT_S = 120.0
+"""Default per-read deadline inside a frame, and per-send deadline (``REDUCE_READ_DEADLINE``)."""
+_INLINE_TAG_BYTES = 1 << 20
+"""Consensus frames with fewer payload bytes are tagged before sending starts (not worth a
+hand-off); larger ones are tagged by the worker while the connection threads send them."""
+_EXTRA_CONNECTIONS = 8
+"""Connections allowed beyond one per rank and one reconnect each (handshakes in flight)."""
+
+# Accumulation dtype per wire dtype: bf16 payloads are summed in f32.
+_ACC_DTYPE = {
+    WireDtype.F32: torch.float32,
+    WireDtype.BF16: torch.float32,
+    WireDtype.F64: torch.float64,
+}
+
+
+class _Refused(Exception):
+    """A connection is closed for a protocol reason other than a bad frame (logged)."""
+
+
+class _PeerClosed(Exception):
+    """The peer closed the connection between frames (a clean end)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Model:
+    """The model's layout for one frame kind: shapes and accumulation dtypes, in frame order."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    table_nbytes: int
+
+    @classmethod
+    def of(cls, kind: TensorKind, layout: TensorLayout) -> _Model:
+        dtypes = []
+        for index, spec in enumerate(layout.specs):
+            acc = _ACC_DTYPE.get(spec.dtype)
+            if acc is None:
+                raise FrameError(f"{kind.name} tensor {index}: {spec.dtype.name} is not averaged")
+            dtypes.append(acc)
+        shapes = tuple(spec.shape for spec in layout.specs)
+        return cls(shapes, tuple(dtypes), layout.table_nbytes)
+
+    def check(self, kind: TensorKind, layout: TensorLayout) -> None:
+        """Raise FrameError unless ``layout`` is this model's (any accepted wire dtypes)."""
+        if len(layout.specs) != len(self.shapes):
+            raise FrameError(
+                f"{kind.name} frame has {len(layout.specs)} tensors, the model {len(self.shapes)}"
+            )
+        for index, (spec, shape, dtype) in enumerate(
+            zip(layout.specs, self.shapes, self.dtypes, strict=True)
+        ):
+            if spec.shape != shape or _ACC_DTYPE.get(spec.dtype) != dtype:
+                raise FrameError(
+                    f"{kind.name} tensor {index}: {spec.dtype.name} {spec.shape} differs from "
+                    f"the model's {dtype} {shape}"
+                )
+
+
+class _Flat:
+    """Tensors of a model layout stored as one flat tensor per dtype (so a fold is one op).
+
+    Attributes:
+        flats: the flat storage, keyed by the model's (accumulation) dtype.
+        views: one view per tensor of the model, in frame order.
+    """
+
+    __slots__ = ("flats", "views")
+
+    def __init__(self, flats: dict[torch.dtype, torch.Tensor], views: list[torch.Tensor]) -> None:
+        self.flats = flats
+        self.views = views
+
+    @classmethod
+    def allocate(cls, model: _Model) -> _Flat:
+        """Uninitialized storage for ``model`` in its accumulation dtypes."""
+        sizes: dict[torch.dtype, int] = {}
+        for shape, dtype in zip(model.shapes, model.dtypes, strict=True):
+            sizes[dtype] = sizes.get(dtype, 0) + math.prod(shape)
+        flats = {d: torch.empty(n, dtype=d) for d, n in sizes.items()}
+        return cls(flats, _views(model, flats))
+
+    @classmethod
+    def bf16_mirror(cls, model: _Model, acc: _Flat) -> _Flat:
+        """bf16 storage for the f32 tensors of ``acc``; its other tensors are shared."""
+        flats = dict(acc.flats)
+        if torch.float32 in flats:
+            flats[torch.float32] = torch.empty_like(flats[torch.float32], dtype=torch.bfloat16)
+        return cls(flats, _views(model, flats))
+
+
+def _views(model: _Model, flats: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
+    offsets = dict.fromkeys(flats, 0)
+    views: list[torch.Tensor] = []
+    for shape, dtype in zip(model.shapes, model.dtypes, strict=True):
+        start, numel = offsets[dtype], math.prod(shape)
+        views.append(flats[dtype][start : start + numel].view(shape))
+        offsets[dtype] = start + numel
+    return views
+
+
+@dataclass(eq=False, slots=True)
+class _Upload:
+    """What one rank sent for a round (its buffers stay untouched until the round is done)."""
+
+    weight: float
+    mover: bool
+    params: _Flat
+    buffers: _Flat
+    param_wire: tuple[WireDtype, ...]
+    buffer_wire: tuple[WireDtype, ...]
+
+
+@dataclass(eq=False, slots=True)
+class _Outgoing:
+    """One consensus frame: head and payloads are final when published; the tag follows."""
+
+    head: bytes
+    payloads: list[memoryview]
+    tag: bytes | None = None
+
+
+@dataclass(eq=False, slots=True)
+class _Consensus:
+    contributors: tuple[int, ...]
+    weight_total: float
+    frames: dict[int, tuple[_Outgoing, _Outgoing]]
+    sending: set[int]
+
+
+@dataclass(eq=False, slots=True)
+class _Round:
+    cycle: int
+    expected: set[int] | None = None  # None until open_round
+    uploads: dict[int, _Upload] = field(default_factory=dict)
+    frozen: bool = False
+    consensus: _Consensus | None = None
+    failed: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class _Conn:
+    sock: socket.socket
+    peer: str
+    thread: threading.Thread | None = None
+    rank: int | None = None
+    closed: bool = False  # shut down on purpose (reason already logged)
+    released: bool = False  # socket closed: never touch it again
+    params: _Flat | None = None
+    buffers: _Flat | None = None
+    scratch: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+
+
+class _Reader:
+    """``recv_into`` for one frame: no deadline until its first byte, ``timeout`` after."""
+
+    __slots__ = ("_idle", "_sock", "_timeout")
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        self._sock = sock
+        self._timeout = timeout
+        self._idle = False
+
+    def wait_for_frame(self) -> None:
+        self._idle = True
+        self._sock.settimeout(None)
+
+    def __call__(self, view: memoryview) -> int:
+        if not self._idle:
+            return self._sock.recv_into(view)
+        try:
+            n = self._sock.recv_into(view)
+        except ConnectionResetError:
+            raise _PeerClosed from None
+        if n == 0:
+            raise _PeerClosed
+        self._idle = False
+        self._sock.settimeout(self._timeout)
+        return n
+
+
+class ReduceServer:
+    """Average ranks' parameters and buffers on the coordinator's CPUs.
+
+    Args:
+        secret: the run secret (authenticates the handshake and every frame).
+        host: address to bind.
+        port: port to bind, 0 for any.
+        world_size: number of ranks; a hello for another world size is refused.
+        on_done: ``on_done(cycle, contributors, weight_total)``, called on the fold worker
+            thread after a round's consensus was sent; ``contributors`` are the ranks whose
+            upload was folded in, sorted.
+        max_frame_bytes: ceiling on any frame received; ``None`` is
+            :data:`~flodl.wire.tensors.DEFAULT_MAX_FRAME_BYTES` (1 GiB). Pass
+            ``frame_ceiling(model_nbytes)`` for models over 512 MiB.
+        read_timeout_s: deadline of each read inside a frame and of each send, seconds.
+
+    Thread safety: :meth:`open_round`, :meth:`rank_dead` and :meth:`close` may be called from
+    any thread (the coordinator calls them from its event loop); they never block on I/O.
+    """
+
+    def __init__(
+        self,
+        secret: bytes,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        world_size: int,
+        on_done: Callable[[int, tuple[int, ...], float], None],
+        max_frame_bytes: int | None = None,
+        read_timeout_s: float = READ_TIMEOUT_S,
+    ) -> None:
+        if world_size < 1:
+            raise LocalProtocolError(f"world_size must be >= 1, got {world_size}")
+        if read_timeout_s <= 0:
+            raise LocalProtocolError(f"read_timeout_s must be > 0, got {read_timeout_s}")
+        self.secret = secret
+        self.host = host
+        self.port = port
+        self.world_size = world_size
+        self.on_done = on_done
+        self.max_frame_bytes = (
+            DEFAULT_MAX_FRAME_BYTES if max_frame_bytes is None else max_frame_bytes
+        )
+        self.read_timeout_s = read_timeout_s
+        self._cond = threading.Condition(threading.Lock())
+        self._closing = False
+        self._started = False
+        self._listen: socket.socket | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._worker: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[_Round | None] = queue.SimpleQueue()
+        # Everything below is guarded by self._cond.
+        self._conns: set[_Conn] = set()
+        self._by_rank: dict[int, _Conn] = {}
+        self._dead: set[int] = set()
+        self._rounds: dict[int, _Round] = {}
+        self._opened = -1
+        self._models: dict[TensorKind, _Model] = {}
+        self._inflight: _Consensus | None = None
+        # Owned by the worker thread.
+        self._acc: dict[TensorKind, _Flat] = {}
+        self._mirror: dict[TensorKind, tuple[_Flat, int]] = {}  # and the fold it mirrors
+        self._folds = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> int:
+        """Bind, listen and start the accept and fold threads.
+
+        Returns:
+            The bound port.
+        """
+        if self._started or self._closing:
+            raise LocalProtocolError("ReduceServer.start() called twice, or after close()")
+        self._started = True
+        listen = socket.create_server((self.host, self.port), backlog=max(16, self.world_size))
+        listen.setblocking(False)
+        self._listen = listen
+        self._wake_r, self._wake_w = socket.socketpair()
+        self.port = listen.getsockname()[1]
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name="flodl-reduce-accept", daemon=True
+        )
+        self._worker = threading.Thread(target=self._work, name="flodl-reduce-fold", daemon=True)
+        self._accept_thread.start()
+        self._worker.start()
+        logger.info("reduce server listening on %s:%d", self.host, self.port)
+        return self.port
+
+    def close(self) -> None:
+        """Stop serving: close every connection, join every thread. Idempotent.
+
+        A round in flight is abandoned (``on_done`` is not called for it). May be called from
+        any thread, ``on_done`` included.
+        """
+        with self._cond:
+            self._closing = True
+            for conn in self._conns:
+                self._shut(conn)
+            self._cond.notify_all()
+        if self._wake_w is not None:
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"x")
+        if self._accept_thread is not None:
+            self._accept_thread.join()
+        with self._cond:  # the accept thread may have registered one more before it saw closing
+            for conn in self._conns:
+                self._shut(conn)
+            threads = [c.thread for c in self._conns if c.thread is not None]
+        for thread in threads:
+            thread.join()
+        self._jobs.put(None)
+        if self._worker is not None and self._worker is not threading.current_thread():
+            self._worker.join()  # (close() may be called from on_done, on the worker itself)
+        for sock in (self._listen, self._wake_r, self._wake_w):
+            if sock is not None:
+                sock.close()
+        self._listen = self._wake_r = self._wake_w = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ coordinator calls
+    def open_round(self, cycle: int, ranks: Sequence[int]) -> None:
+        """Expect uploads for round ``cycle`` from ``ranks`` (ranks already dead are dropped).
+
+        Uploads that arrived early for ``cycle`` count; early uploads from ranks not in
+        ``ranks``, and uploads to an earlier round never opened, close those connections.
+
+        Raises:
+            LocalProtocolError: ``cycle`` is not above every round opened so far, or a rank is
+                outside ``range(world_size)``.
+        """
+        expected = {int(r) for r in ranks}
+        if any(not 0 <= r < self.world_size for r in expected):
+            raise LocalProtocolError(f"round {cycle}: ranks {sorted(expected)} outside the world")
+        with self._cond:
+            if self._closing:
+                return
+            if cycle <= self._opened:
+                raise LocalProtocolError(f"round {cycle} opened after round {self._opened}")
+            self._opened = cycle
+            for number in [n for n, r in self._rounds.items() if r.expected is None and n < cycle]:
+                for rank in self._rounds.pop(number).uploads:
+                    self._kick(rank, f"uploaded to round {number}, which was never opened")
+            rnd = self._rounds.setdefault(cycle, _Round(cycle))
+            rnd.expected = expected - self._dead
+            for rank in [r for r in rnd.uploads if r not in rnd.expected]:
+                del rnd.uploads[rank]
+                self._kick(rank, f"uploaded to round {cycle}, which does not expect it")
+            self._maybe_freeze(rnd)
+            self._cond.notify_all()
+
+    def rank_dead(self, rank: int) -> None:
+        """``rank`` was declared dead: stop waiting for it and close its data connection.
+
+        Every open round forgets the rank (its upload, if any, is not folded in) and may
+        complete. A round already complete keeps it as a contributor.
+        """
+        with self._cond:
+            if self._closing or rank in self._dead:
+                return
+            self._dead.add(rank)
+            for rnd in self._rounds.values():
+                rnd.uploads.pop(rank, None)
+                if rnd.expected is not None:
+                    rnd.expected.discard(rank)
+            if self._inflight is not None:
+                self._inflight.sending.discard(rank)
+            conn = self._by_rank.get(rank)
+            if conn is not None and not conn.closed:
+                logger.info("rank %d declared dead: closing its data connection", rank)
+                self._shut(conn)
+            for rnd in list(self._rounds.values()):
+                self._maybe_freeze(rnd)
+            self._cond.notify_all()
+
+    def waiting_for(self, cycle: int) -> tuple[int, ...] | None:
+        """The ranks open round ``cycle`` still waits for (for stall reports), sorted.
+
+        Returns:
+            The expected, live ranks whose upload has not arrived; ``None`` when ``cycle`` is
+            not open (not opened yet, or already complete).
+        """
+        with self._cond:
+            rnd = self._rounds.get(cycle)
+            if rnd is None or rnd.expected is None:
+                return None
+            return tuple(sorted(rnd.expected - rnd.uploads.keys()))
+
+    def uploads(self, cycle: int) -> tuple[int, ...]:
+        """The ranks whose upload for round ``cycle`` arrived and awaits the fold, sorted.
+
+        Uploads to a round not opened yet count; a complete round has none left.
+        """
+        with self._cond:
+            rnd = self._rounds.get(cycle)
+            return () if rnd is None else tuple(sorted(rnd.uploads))
+
+    # ------------------------------------------------------------------ state (lock held)
+    def _shut(self, conn: _Conn) -> None:
+        conn.closed = True
+        if not conn.released:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+    def _kick(self, rank: int, reason: str) -> None:
+        conn = self._by_rank.get(rank)
+        if conn is not None and not conn.closed:
+            logger.warning("closing the data connection of rank %d: %s", rank, reason)
+            self._shut(conn)
+
+    def _maybe_freeze(self, rnd: _Round) -> None:
+        if rnd.frozen or rnd.expected is None or not rnd.expected <= rnd.uploads.keys():
+            return
+        rnd.frozen = True
+        del self._rounds[rnd.cycle]
+        self._jobs.put(rnd)
+
+    def _round_problem(self, rank: int, cycle: int) -> str | None:
+        rnd = self._rounds.get(cycle)
+        if rnd is not None and rank in rnd.uploads:
+            return f"second upload to round {cycle}"
+        if rnd is not None and rnd.expected is not None:
+            if rank not in rnd.expected:
+                return f"round {cycle} does not expect rank {rank}"
+            return None
+        if cycle <= self._opened:
+            return f"round {cycle} is not open (latest opened: {self._opened})"
+        return None  # a round not opened yet: the upload waits for open_round
+
+    def _model(self, kind: TensorKind, layout: TensorLayout) -> _Model:
+        with self._cond:
+            model = self._models.get(kind)
+            if model is None:
+                model = self._models[kind] = _Model.of(kind, layout)
+                return model
+        model.check(kind, layout)
+        return model
+
+    # ------------------------------------------------------------------ accept thread
+    def _accept_loop(self) -> None:
+        assert self._listen is not None
+        assert self._wake_r is not None
+        limit = 2 * self.world_size + _EXTRA_CONNECTIONS
+        while True:
+            readable, _, _ = select.select([self._listen, self._wake_r], [], [])
+            if self._wake_r in readable:
+                return
+            try:
+                sock, address = self._listen.accept()
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError as exc:
+                logger.warning("reduce server accept failed: %s", exc)
+                continue
+            peer = f"{address[0]}:{address[1]}"
+            with self._cond:
+                if self._closing:
+                    sock.close()
+                    return
+                self._conns = {c for c in self._conns if not c.released or _alive(c.thread)}
+                if len(self._conns) >= limit:
+                    logger.warning("refused data connection from %s: %d already open", peer, limit)
+                    sock.close()
+                    continue
+                conn = _Conn(sock, peer)
+                conn.thread = threading.Thread(
+                    target=self._serve, args=(conn,), name=f"flodl-reduce-{peer}", daemon=True
+                )
+                self._conns.add(conn)
+            conn.thread.start()
+
+    # ------------------------------------------------------------------ connection threads
+    def _serve(self, conn: _Conn) -> None:
+        try:
+            self._handshake(conn)
+            reader = _Reader(conn.sock, self.read_timeout_s)
+            while True:
+                cycle, upload = self._receive_upload(conn, reader)
+                rnd = self._register(conn, cycle, upload)
+                if not self._send_consensus(conn, rnd):
+                    return
+        except _PeerClosed:
+            logger.info("rank %s closed its data connection", conn.rank)
+        except (_Refused, FrameError, OSError) as exc:
+            what = f"rank {conn.rank}" if conn.rank is not None else conn.peer
+            if conn.closed:
+                logger.debug("data connection of %s ended: %s", what, exc)
+            elif isinstance(exc, TimeoutError):
+                logger.warning("closing the data connection of %s: read timeout", what)
+            else:
+                logger.warning("closing the data connection of %s: %s", what, exc)
+        except Exception:
+            logger.exception("reduce connection thread of %s failed", conn.peer)
+        finally:
+            with self._cond:
+                self._shut(conn)
+                conn.released = True
+                conn.sock.close()
+                if conn.rank is not None and self._by_rank.get(conn.rank) is conn:
+                    del self._by_rank[conn.rank]
+                if conn.rank is not None and self._inflight is not None:
+                    self._inflight.sending.discard(conn.rank)
+                self._cond.notify_all()
+
+    def _handshake(self, conn: _Conn) -> None:
+        sock = conn.sock
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        hello = bytearray(HELLO_BYTES)
+        view = memoryview(hello)
+        got = 0
+        while got < HELLO_BYTES:
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                raise _Refused(f"closed after {got} of {HELLO_BYTES} hello bytes")
+            got += n
+        rank, world_size = parse_data_hello(self.secret, hello)
+        if world_size != self.world_size:
+            raise _Refused(f"hello for a world of {world_size}, this run has {self.world_size}")
+        if not 0 <= rank < world_size:
+            raise _Refused(f"hello from rank {rank}, outside a world of {world_size}")
+        with self._cond:
+            if self._closing:
+                raise _Refused("server closing")
+            if rank in self._dead:
+                raise _Refused(f"rank {rank} was declared dead")
+            if rank in self._by_rank:
+                raise _Refused(f"rank {rank} already has a live data connection")
+            self._by_rank[rank] = conn
+            conn.rank = rank
+        sock.sendall(encode_data_ack(self.secret, hello))
+        logger.info("rank %d connected to the reduce server from %s", rank, conn.peer)
+
+    def _receive_upload(self, conn: _Conn, reader: _Reader) -> tuple[int, _Upload]:
+        assert conn.rank is not None
+        reader.wait_for_frame()
+        params_header, conn.params, param_wire = self._receive_frame(
+            conn, reader, TensorKind.MODEL_PARAMS, conn.params, None
+        )
+        cycle = params_header.round
+        buffers_header, conn.buffers, buffer_wire = self._receive_frame(
+            conn, reader, TensorKind.MODEL_BUFFERS, conn.buffers, cycle
+        )
+        return cycle, _Upload(
+            weight=params_header.weight,
+            mover=buffers_header.weight == 1.0,
+            params=conn.params,
+            buffers=conn.buffers,
+            param_wire=param_wire,
+            buffer_wire=buffer_wire,
+        )
+
+    def _receive_frame(
+        self,
+        conn: _Conn,
+        reader: _Reader,
+        kind: TensorKind,
+        flat: _Flat | None,
+        cycle: int | None,
+    ) -> tuple[FrameHeader, _Flat, tuple[WireDtype, ...]]:
+        assert conn.rank is not None
+        with self._cond:
+            model = self._models.get(kind)
+        prefix = read_frame_prefix(
+            reader,
+            secret=self.secret,
+            max_frame_bytes=self.max_frame_bytes,
+            table_nbytes=None if model is None else model.table_nbytes,
+        )
+        header = prefix.header
+        if header.kind is not kind:
+            raise FrameError(f"expected a {kind.name} frame, got {header.kind.name}")
+        if cycle is None:
+            with self._cond:
+                problem = self._round_problem(conn.rank, header.round)
+            if problem is not None:
+                raise _Refused(problem)
+        elif header.round != cycle:
+            raise _Refused(f"BUFFERS frame for round {header.round} after PARAMS of round {cycle}")
+        if kind is TensorKind.MODEL_BUFFERS and header.weight not in (0.0, 1.0):
+            raise FrameError(f"BUFFERS weight {header.weight} is not 0 or 1 (mover flag)")
+        model = self._model(kind, prefix.layout)
+        if flat is None:
+            flat = _Flat.allocate(model)
+        read_frame_payloads(
+            reader, prefix, flat.views, scratch=conn.scratch, zero_elided=header.weight > 0
+        )
+        return header, flat, tuple(spec.dtype for spec in prefix.layout.specs)
+
+    def _register(self, conn: _Conn, cycle: int, upload: _Upload) -> _Round:
+        assert conn.rank is not None
+        with self._cond:
+            if self._closing or conn.closed:
+                raise _Refused("closing")
+            problem = self._round_problem(conn.rank, cycle)
+            if problem is not None:
+                raise _Refused(problem)
+            rnd = self._rounds.setdefault(cycle, _Round(cycle))
+            rnd.uploads[conn.rank] = upload
+            self._maybe_freeze(rnd)
+            return rnd
+
+    def _send_consensus(self, conn: _Conn, rnd: _Round) -> bool:
+        """Wait for ``rnd``'s consensus and send it; False when this connection is done."""
+        rank = conn.rank
+        assert rank is not None
+        with self._cond:
+            while True:
+                if self._closing or conn.closed or rnd.failed:
+                    return False
+                if rnd.consensus is not None:
+                    consensus = rnd.consensus
+                    break
+                if rank not in rnd.uploads:
+                    return False  # dropped by rank_dead / open_round (connection shut)
+                self._cond.wait()
+            frames = consensus.frames.get(rank)
+        if frames is None:
+            return False
+        try:
+            conn.sock.settimeout(self.read_timeout_s)
+            for out in frames:
+                send_buffers(conn.sock, [out.head, *out.payloads])
+                with self._cond:
+                    while out.tag is None and not (self._closing or conn.closed or rnd.failed):
+                        self._cond.wait()
+                    tag = out.tag
+                if tag is None:
+                    return False
+                conn.sock.sendall(tag)
+        finally:
+            with self._cond:
+                consensus.sending.discard(rank)
+                self._cond.notify_all()
+        return True
+
+    # ------------------------------------------------------------------ fold worker
+    def _work(self) -> None:
+        while True:
+            rnd = self._jobs.get()
+            if rnd is None:
+                return
+            try:
+                self._complete(rnd)
+            except Exception:
+                logger.exception("reduce round %d failed; closing its contributors", rnd.cycle)
+                with self._cond:
+                    rnd.failed = True
+                    self._inflight = None
+                    for rank in rnd.uploads:
+                        self._kick(rank, f"round {rnd.cycle} failed on the server")
+                    self._cond.notify_all()
+
+    def _complete(self, rnd: _Round) -> None:
+        with self._cond:
+            contributors = tuple(sorted(rnd.uploads))
+            if self._closing:
+                return
+        uploads = [rnd.uploads[r] for r in contributors]
+        weight_total = 0.0
+        for upload in uploads:
+            weight_total += upload.weight
+        movers = [u for u in uploads if u.mover]
+        frames: dict[int, tuple[_Outgoing, _Outgoing]] = {}
+        outgoing: list[_Outgoing] = []
+        if uploads:
+            kinds = (TensorKind.MODEL_PARAMS, TensorKind.MODEL_BUFFERS)
+            weighted = [u.params for u in uploads if u.weight > 0]
+            divisors = (weight_total, float(len(movers)))
+            self._folds += 1
+            with torch.no_grad():
+                self._fold(kinds[0], weighted, weight_total)
+                self._fold(kinds[1], [u.buffers for u in movers], divisors[1])
+            variants: dict[tuple[tuple[WireDtype, ...], ...], tuple[_Outgoing, _Outgoing]] = {}
+            for rank, upload in zip(contributors, uploads, strict=True):
+                key = (upload.param_wire, upload.buffer_wire)
+                if key not in variants:
+                    pair = tuple(
+                        self._outgoing(kind, rnd.cycle, divisor, wire)
+                        for kind, divisor, wire in zip(kinds, divisors, key, strict=True)
+                    )
+                    variants[key] = (pair[0], pair[1])
+                    outgoing.extend(pair)
+                frames[rank] = variants[key]
+        for out in outgoing:
+            if sum(p.nbytes for p in out.payloads) < _INLINE_TAG_BYTES:
+                out.tag = frame_tag(self.secret, out.head, out.payloads)
+        with self._cond:
+            if self._closing:
+                return
+            sending = {
+                r
+                for r in contributors
+                if r in self._by_rank and not self._by_rank[r].closed and r not in self._dead
+            }
+            consensus = _Consensus(contributors, weight_total, frames, sending)
+            rnd.consensus = self._inflight = consensus
+            self._cond.notify_all()
+        for out in [o for o in outgoing if o.tag is None]:  # sent meanwhile
+            tag = frame_tag(self.secret, out.head, out.payloads)
+            with self._cond:
+                out.tag = tag
+                self._cond.notify_all()
+        with self._cond:
+            while consensus.sending and not self._closing:
+                self._cond.wait()
+            self._inflight = None
+            if self._closing:
+                return
+        logger.debug(
+            "round %d done: contributors %s, weight %g", rnd.cycle, contributors, weight_total
+        )
+        try:
+            self.on_done(rnd.cycle, contributors, weight_total)
+        except Exception:
+            logger.exception("on_done failed for round %d", rnd.cycle)
+
+    def _fold(self, kind: TensorKind, parts: list[_Flat], divisor: float) -> None:
+        """acc[kind] = sum(parts) / divisor, one flat tensor per dtype, parts in rank order."""
+        if not parts:
+            return  # nothing received: the frame goes out elided with weight 0
+        acc = self._acc.get(kind)
+        if acc is None:
+            with self._cond:
+                model = self._models[kind]
+            acc = self._acc[kind] = _Flat.allocate(model)
+        for dtype, out in acc.flats.items():
+            srcs = [p.flats[dtype] for p in parts]
+            if len(srcs) == 1:
+                if divisor == 1.0:
+                    out.copy_(srcs[0])
+                else:
+                    torch.div(srcs[0], divisor, out=out)
+                continue
+            torch.add(srcs[0], srcs[1], out=out)
+            for src in srcs[2:]:
+                out.add_(src)
+            if divisor != 1.0:
+                out.div_(divisor)
+
+    def _outgoing(
+        self, kind: TensorKind, cycle: int, divisor: float, wire: tuple[WireDtype, ...]
+    ) -> _Outgoing:
+        """The consensus frame of ``kind`` in the wire dtypes ``wire`` (one per tensor)."""
+        with self._cond:
+            model = self._models[kind]
+        if divisor == 0:
+            # Nothing realized: every payload elided; shapes, and dtypes as the rank sent them.
+            shells = [
+                torch.zeros((), dtype=w.torch_dtype).expand(shape)
+                for w, shape in zip(wire, model.shapes, strict=True)
+            ]
+            head, payloads = encode_frame_parts(
+                shells, kind=kind, weight=0.0, round=cycle, all_zero=True
+            )
+            return _Outgoing(head, payloads)
+        acc = self._acc[kind]
+        tensors = acc.views
+        if any(w is WireDtype.BF16 for w in wire):
+            mirror = self._mirror_of(kind, model, acc)
+            tensors = [
+                m if w is WireDtype.BF16 else a
+                for w, a, m in zip(wire, acc.views, mirror.views, strict=True)
+            ]
+        head, payloads = encode_frame_parts(tensors, kind=kind, weight=divisor, round=cycle)
+        return _Outgoing(head, payloads)
+
+    def _mirror_of(self, kind: TensorKind, model: _Model, acc: _Flat) -> _Flat:
+        """The bf16 copy of this round's accumulator of ``kind`` (filled once per round)."""
+        mirror, filled = self._mirror.get(kind, (None, -1))
+        if mirror is None:
+            mirror = _Flat.bf16_mirror(model, acc)
+        if filled != self._folds:
+            if torch.float32 in acc.flats:
+                mirror.flats[torch.float32].copy_(acc.flats[torch.float32])
+            self._mirror[kind] = (mirror, self._folds)
+        return mirror
+
+
+def _alive(thread: threading.Thread | None) -> bool:
+    return thread is not None and thread.is_alive()

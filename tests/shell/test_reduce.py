@@ -1,0 +1,651 @@
+"""The CPU reduce server and client over real loopback sockets, ranks as threads.
+
+Every test closes its server and clients in ``finally`` and runs under a 60 s timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import uvloop
+
+from flodl.coord.reduce import ReduceServer
+from flodl.errors import CoordinatorLost, FrameError
+from flodl.rank.reduce_client import ReduceClient
+from flodl.wire.tensors import (
+    HELLO_BYTES,
+    TensorKind,
+    check_data_ack,
+    encode_data_ack,
+    encode_data_hello,
+    encode_tensor_frame,
+    send_buffers,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"reduce-test-secret-0123456789abcdef"
+JOIN_S = 30.0
+
+
+# ---------------------------------------------------------------------- harness
+@dataclass
+class Done:
+    """Records on_done calls (made on the server's fold thread)."""
+
+    calls: list[tuple[int, tuple[int, ...], float]] = field(default_factory=list)
+    changed: threading.Condition = field(default_factory=threading.Condition)
+
+    def __call__(self, cycle: int, contributors: tuple[int, ...], weight: float) -> None:
+        with self.changed:
+            self.calls.append((cycle, contributors, weight))
+            self.changed.notify_all()
+
+    def wait(self, count: int) -> list[tuple[int, tuple[int, ...], float]]:
+        """The calls once there are ``count`` (ranks get the consensus before on_done runs)."""
+        with self.changed:
+            assert self.changed.wait_for(lambda: len(self.calls) >= count, JOIN_S)
+            return list(self.calls)
+
+
+@contextlib.contextmanager
+def serving(world_size: int, **kwargs: Any) -> Iterator[tuple[ReduceServer, Done]]:
+    done = Done()
+    server = ReduceServer(SECRET, world_size=world_size, on_done=done, **kwargs)
+    try:
+        server.start()
+        yield server, done
+    finally:
+        server.close()
+
+
+@contextlib.contextmanager
+def clients(
+    server: ReduceServer, ranks: list[int], **kwargs: Any
+) -> Iterator[dict[int, ReduceClient]]:
+    made: dict[int, ReduceClient] = {}
+    try:
+        for rank in ranks:
+            client = ReduceClient(
+                "127.0.0.1", server.port, SECRET, rank, server.world_size, **kwargs
+            )
+            made[rank] = client
+            client.connect(10.0)
+        yield made
+    finally:
+        for client in made.values():
+            client.close()
+
+
+class Worker(threading.Thread):
+    """Runs ``fn`` on its own thread; ``result()`` joins and re-raises."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self.fn = fn
+        self.value: Any = None
+        self.error: Exception | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except Exception as exc:  # noqa: BLE001 - re-raised by result()
+            self.error = exc
+
+    def result(self) -> Any:
+        self.join(JOIN_S)
+        assert not self.is_alive(), "worker did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def wait_until(predicate: Callable[[], bool], what: str) -> None:
+    """Poll a condition of the server's threads (there is nothing to await)."""
+    deadline = time.perf_counter() + JOIN_S
+    while not predicate():
+        assert time.perf_counter() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def model(
+    rank: int, shapes: tuple[tuple[int, ...], ...] = ((3, 4), (7,), ())
+) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return [torch.randn(shape, generator=gen) for shape in shapes]
+
+
+def weighted_mean(models: list[list[torch.Tensor]], weights: list[float]) -> list[torch.Tensor]:
+    """sum_k w_k theta_k / sum_k w_k, pre-scaled and summed in rank order in f32."""
+    total = sum(weights)
+    out = []
+    for parts in zip(*models, strict=True):
+        acc = torch.zeros_like(parts[0])
+        for p, w in zip(parts, weights, strict=True):
+            acc += p * w
+        out.append(acc / total)
+    return out
+
+
+def close_all(expected: list[torch.Tensor], got: list[torch.Tensor], rtol: float = 1e-6) -> None:
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(g, e, rtol=rtol, atol=rtol)
+
+
+def raw_rank(server: ReduceServer, rank: int, secret: bytes = SECRET) -> socket.socket:
+    """A hand-driven rank: connected and handshaken, nothing else."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    hello = encode_data_hello(secret, rank, server.world_size)
+    sock.sendall(hello)
+    ack = recv_exactly(sock, HELLO_BYTES)
+    check_data_ack(secret, hello, ack)
+    return sock
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def assert_closed_by_peer(sock: socket.socket) -> None:
+    sock.settimeout(JOIN_S)
+    with contextlib.suppress(ConnectionResetError):
+        assert sock.recv(1) == b""
+
+
+# ---------------------------------------------------------------------- averaging math
+def test_three_ranks_work_weighted_average_and_buffers_over_movers() -> None:
+    weights = [1.0, 2.0, 0.5]
+    movers = [True, False, True]
+    params = [model(r) for r in range(3)]
+    originals = [[p.clone() for p in ps] for ps in params]
+    buffers = [[torch.full((5,), 10.0 * (r + 1)), torch.tensor(float(r))] for r in range(3)]
+    with serving(3) as (server, done), clients(server, [0, 1, 2]) as cs:
+        server.open_round(1, [0, 1, 2])
+        ptrs = [[p.data_ptr() for p in ps] for ps in params]
+        workers = [
+            Worker(lambda r=r: cs[r].reduce(1, params[r], weights[r], buffers[r], movers[r]))
+            for r in range(3)
+        ]
+        results = [w.result() for w in workers]
+        assert done.wait(1) == [(1, (0, 1, 2), 3.5)]
+    assert results == [(3.5, 2.0)] * 3
+    expected = weighted_mean(originals, weights)
+    for r in range(3):
+        close_all(expected, params[r])
+        assert [p.data_ptr() for p in params[r]] == ptrs[r]  # written in place
+        assert all(torch.equal(a, b) for a, b in zip(params[0], params[r], strict=True))
+        torch.testing.assert_close(buffers[r][0], torch.full((5,), 20.0))  # (10 + 30) / 2
+        torch.testing.assert_close(buffers[r][1], torch.tensor(1.0))  # (0 + 2) / 2
+
+
+def test_several_rounds_reuse_the_connection_and_stay_exact() -> None:
+    params = [model(r, ((64,), (8, 8))) for r in range(2)]
+    with serving(2) as (server, done), clients(server, [0, 1]) as cs:
+        for cycle, weights in enumerate([[1.0, 0.0], [3.0, 1.0], [0.0, 2.0], [1.0, 1.0]]):
+            before = [[p.clone() for p in ps] for ps in params]
+            server.open_round(cycle, [0, 1])
+            workers = [
+                Worker(
+                    lambda r=r, c=cycle, w=weights: cs[r].reduce(c, params[r], w[r], [], w[r] > 0)
+                )
+                for r in range(2)
+            ]
+            movers = float(sum(w > 0 for w in weights))
+            assert [w.result() for w in workers] == [(sum(weights), movers)] * 2
+            close_all(weighted_mean(before, weights), params[0])
+            assert all(torch.equal(a, b) for a, b in zip(*params, strict=True))
+        assert [c[0] for c in done.wait(4)] == [0, 1, 2, 3]
+
+
+def test_zero_weight_round_keeps_local_state() -> None:
+    params = [model(r) for r in range(2)]
+    buffers = [[torch.full((3,), float(r))] for r in range(2)]
+    saved = [[t.clone() for t in ps + bs] for ps, bs in zip(params, buffers, strict=True)]
+    with serving(2) as (server, done), clients(server, [0, 1]) as cs:
+        server.open_round(4, [0, 1])
+        workers = [
+            Worker(lambda r=r: cs[r].reduce(4, params[r], 0.0, buffers[r], False)) for r in range(2)
+        ]
+        assert [w.result() for w in workers] == [(0.0, 0.0)] * 2
+        assert done.wait(1) == [(4, (0, 1), 0.0)]
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(saved[r], params[r] + buffers[r], strict=True))
+
+
+def test_round_zero_broadcasts_rank_zero_exactly() -> None:
+    params = [model(r) for r in range(3)]
+    buffers = [[torch.randn(4)] for _ in range(3)]
+    root = [t.clone() for t in params[0] + buffers[0]]
+    with serving(3) as (server, done), clients(server, [0, 1, 2], bf16_wire=True) as cs:
+        server.open_round(0, [0, 1, 2])
+        workers = [
+            Worker(lambda r=r: cs[r].reduce(0, params[r], float(r == 0), buffers[r], r == 0))
+            for r in range(3)
+        ]
+        assert [w.result() for w in workers] == [(1.0, 1.0)] * 3
+        assert done.wait(1) == [(0, (0, 1, 2), 1.0)]
+    for r in range(3):  # f32 even with bf16_wire: the initial broadcast is exact
+        assert all(torch.equal(a, b) for a, b in zip(root, params[r] + buffers[r], strict=True))
+
+
+def test_uploads_before_open_round_wait_for_it() -> None:
+    params = [model(r) for r in range(2)]
+    expected = weighted_mean([[p.clone() for p in ps] for ps in params], [1.0, 1.0])
+    with serving(2) as (server, done), clients(server, [0, 1]) as cs:
+        workers = [Worker(lambda r=r: cs[r].reduce(7, params[r], 1.0, [], True)) for r in range(2)]
+        wait_until(lambda: server.uploads(7) == (0, 1), "both uploads")
+        assert server.waiting_for(7) is None  # not open yet
+        assert all(w.is_alive() for w in workers)
+        server.open_round(7, [0, 1])
+        assert [w.result() for w in workers] == [(2.0, 2.0)] * 2
+        assert done.wait(1) == [(7, (0, 1), 2.0)]
+    close_all(expected, params[1])
+
+
+# ---------------------------------------------------------------------- deaths
+def test_dead_rank_that_never_uploads_does_not_block() -> None:
+    params = [model(r) for r in range(3)]
+    expected = weighted_mean([[p.clone() for p in ps] for ps in params[:2]], [1.0, 3.0])
+    with serving(3) as (server, done), clients(server, [0, 1, 2]) as cs:
+        server.open_round(2, [0, 1, 2])
+        workers = [
+            Worker(lambda r=r: cs[r].reduce(2, params[r], [1.0, 3.0][r], [], True))
+            for r in range(2)
+        ]
+        wait_until(lambda: server.waiting_for(2) == (2,), "ranks 0 and 1 to upload")
+        assert not done.calls and all(w.is_alive() for w in workers)
+        server.rank_dead(2)
+        assert [w.result() for w in workers] == [(4.0, 2.0)] * 2
+        with pytest.raises(CoordinatorLost):  # its data connection was closed
+            cs[2].reduce(2, params[2], 1.0, [], True)
+        assert done.wait(1) == [(2, (0, 1), 4.0)]
+    close_all(expected, params[0])
+
+
+def test_rank_dead_after_upload_is_not_folded_in() -> None:
+    params = [model(r) for r in range(3)]
+    weights = [1.0, 2.0, 100.0]
+    expected = weighted_mean([[p.clone() for p in ps] for ps in params[:2]], weights[:2])
+    with serving(3) as (server, done), clients(server, [0, 1, 2]) as cs:
+        server.open_round(3, [0, 1, 2])
+        early = {
+            r: Worker(lambda r=r: cs[r].reduce(3, params[r], weights[r], [], True)) for r in (0, 2)
+        }
+        wait_until(lambda: server.waiting_for(3) == (1,), "ranks 0 and 2 to upload")
+        assert server.uploads(3) == (0, 2)
+        server.rank_dead(2)
+        assert server.waiting_for(3) == (1,)
+        assert server.uploads(3) == (0,)
+        late = Worker(lambda: cs[1].reduce(3, params[1], weights[1], [], False))
+        assert early[0].result() == (3.0, 1.0)
+        assert late.result() == (3.0, 1.0)
+        with pytest.raises(CoordinatorLost):
+            early[2].result()
+        assert done.wait(1) == [(3, (0, 1), 3.0)]
+    close_all(expected, params[0])
+    close_all(expected, params[1])
+
+
+def test_every_rank_dead_completes_the_round_empty() -> None:
+    with serving(2) as (server, done):
+        server.open_round(1, [0, 1])
+        server.rank_dead(0)
+        server.rank_dead(1)
+        assert done.wait(1) == [(1, (), 0.0)]
+        server.open_round(2, [0, 1])  # dead ranks are dropped from later rounds at once
+        assert done.wait(2) == [(1, (), 0.0), (2, (), 0.0)]
+
+
+def test_dead_rank_cannot_reconnect() -> None:
+    with serving(2) as (server, _):
+        server.rank_dead(1)
+        client = ReduceClient("127.0.0.1", server.port, SECRET, 1, 2)
+        try:
+            with pytest.raises(CoordinatorLost, match="refused"):
+                client.connect(5.0)
+        finally:
+            client.close()
+
+
+# ---------------------------------------------------------------------- bf16 wire
+def test_bf16_wire_within_bf16_tolerance() -> None:
+    params = [model(r, ((256,), (16, 16))) for r in range(2)]
+    buffers = [[torch.randn(32)] for _ in range(2)]
+    expected = weighted_mean([[p.clone() for p in ps] for ps in params], [2.0, 1.0])
+    expected_buffers = (buffers[0][0] + buffers[1][0]) / 2
+    with serving(2) as (server, _), clients(server, [0, 1], bf16_wire=True) as cs:
+        server.open_round(5, [0, 1])
+        workers = [
+            Worker(lambda r=r: cs[r].reduce(5, params[r], [2.0, 1.0][r], buffers[r], True))
+            for r in range(2)
+        ]
+        assert [w.result() for w in workers] == [(3.0, 2.0)] * 2
+    for r in range(2):
+        assert all(p.dtype == torch.float32 for p in params[r])
+        close_all(expected, params[r], rtol=2e-2)
+        torch.testing.assert_close(buffers[r][0], expected_buffers, rtol=2e-2, atol=2e-2)
+
+
+def test_mixed_wire_dtypes_accumulate_in_f32_and_reply_in_kind() -> None:
+    params = [model(r, ((300,),)) for r in range(2)]
+    uploads = [params[0][0] * 2.0, (params[1][0] * 3.0).bfloat16().float()]
+    accumulated = (uploads[0] + uploads[1]) / 5.0  # what the server holds, in f32
+    server_clients = []
+    with serving(2) as (server, _):
+        try:
+            for rank, bf16 in ((0, False), (1, True)):
+                client = ReduceClient("127.0.0.1", server.port, SECRET, rank, 2, bf16_wire=bf16)
+                server_clients.append(client)
+                client.connect(5.0)
+            server.open_round(1, [0, 1])
+            workers = [
+                Worker(lambda r=r: server_clients[r].reduce(1, params[r], [2.0, 3.0][r], [], True))
+                for r in range(2)
+            ]
+            assert [w.result() for w in workers] == [(5.0, 2.0)] * 2
+        finally:
+            for client in server_clients:
+                client.close()
+    torch.testing.assert_close(params[0][0], accumulated, rtol=1e-6, atol=1e-6)  # f32 reply
+    assert torch.equal(params[1][0], accumulated.bfloat16().float())  # bf16 reply
+
+
+# ---------------------------------------------------------------------- bad peers
+def test_bad_hello_tag_is_rejected_and_others_still_served() -> None:
+    with serving(2) as (server, done):
+        intruder = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        with intruder:
+            intruder.sendall(encode_data_hello(b"wrong-secret", 0, 2))
+            assert_closed_by_peer(intruder)
+        wrong = ReduceClient("127.0.0.1", server.port, b"wrong-secret", 1, 2)
+        try:
+            with pytest.raises(CoordinatorLost, match="refused"):
+                wrong.connect(5.0)
+        finally:
+            wrong.close()
+        params = [model(r) for r in range(2)]
+        with clients(server, [0, 1]) as cs:
+            server.open_round(1, [0, 1])
+            workers = [
+                Worker(lambda r=r: cs[r].reduce(1, params[r], 1.0, [], True)) for r in range(2)
+            ]
+            assert [w.result() for w in workers] == [(2.0, 2.0)] * 2
+        assert done.wait(1) == [(1, (0, 1), 2.0)]
+
+
+@pytest.mark.parametrize(
+    ("hello", "why"),
+    [
+        (lambda: encode_data_hello(SECRET, 0, 3), "world size"),
+        (lambda: b"\x00" * HELLO_BYTES, "magic"),
+        (lambda: encode_data_hello(SECRET, 0, 2)[:-1], "short hello"),
+    ],
+)
+def test_bad_hello_is_refused(hello: Callable[[], bytes], why: str) -> None:
+    with serving(2) as (server, _):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        with sock:
+            sock.sendall(hello())
+            if why == "short hello":
+                sock.shutdown(socket.SHUT_WR)
+            assert_closed_by_peer(sock)
+
+
+def test_duplicate_live_rank_is_refused() -> None:
+    with serving(2) as (server, _), clients(server, [0]):
+        second = ReduceClient("127.0.0.1", server.port, SECRET, 0, 2)
+        try:
+            with pytest.raises(CoordinatorLost, match="refused"):
+                second.connect(5.0)
+        finally:
+            second.close()
+
+
+def test_garbage_frame_closes_only_that_connection() -> None:
+    params = [model(r) for r in range(3)]
+    with serving(3) as (server, done), clients(server, [0, 1]) as cs:
+        bad = raw_rank(server, 2)
+        with bad:
+            server.open_round(1, [0, 1, 2])
+            bad.sendall(b"\xde\xad\xbe\xef" * 64)
+            assert_closed_by_peer(bad)
+        workers = [Worker(lambda r=r: cs[r].reduce(1, params[r], 1.0, [], True)) for r in range(2)]
+        wait_until(lambda: server.waiting_for(1) == (2,), "ranks 0 and 1 to upload")
+        assert all(w.is_alive() for w in workers)  # the round waits for the coordinator
+        server.rank_dead(2)
+        assert [w.result() for w in workers] == [(2.0, 2.0)] * 2
+        server.open_round(2, [0, 1])  # and the server keeps serving
+        workers = [Worker(lambda r=r: cs[r].reduce(2, params[r], 1.0, [], True)) for r in range(2)]
+        assert [w.result() for w in workers] == [(2.0, 2.0)] * 2
+        assert done.wait(2) == [(1, (0, 1), 2.0), (2, (0, 1), 2.0)]
+
+
+def frames(cycle: int, tensors: list[torch.Tensor], weight: float = 1.0) -> list[Any]:
+    up = encode_tensor_frame(
+        tensors, kind=TensorKind.MODEL_PARAMS, weight=weight, round=cycle, secret=SECRET
+    )
+    down = encode_tensor_frame(
+        [], kind=TensorKind.MODEL_BUFFERS, weight=1.0, round=cycle, secret=SECRET
+    )
+    return [*up, *down]
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda: frames(0, model(2)), "stale round"),
+        (lambda: frames(1, model(2, ((3, 4), (7,)))), "layout unlike the model's"),
+        (lambda: frames(1, [t.double() for t in model(2)]), "dtype unlike the model's"),
+        (
+            lambda: encode_tensor_frame(
+                model(2), kind=TensorKind.MODEL_BUFFERS, weight=1.0, round=1, secret=SECRET
+            ),
+            "BUFFERS where PARAMS are due",
+        ),
+        (
+            lambda: encode_tensor_frame(
+                model(2), kind=TensorKind.MODEL_PARAMS, weight=1.0, round=1, secret=b"other"
+            ),
+            "bad frame tag",
+        ),
+    ],
+)
+def test_bad_upload_closes_only_that_connection(make: Callable[[], list[Any]], why: str) -> None:
+    params = [model(r) for r in range(3)]
+    with serving(3) as (server, done), clients(server, [0, 1]) as cs:
+        server.open_round(0, [0, 1])  # teaches the server the model layout
+        workers = [Worker(lambda r=r: cs[r].reduce(0, params[r], 1.0, [], True)) for r in range(2)]
+        assert [w.result() for w in workers] == [(2.0, 2.0)] * 2
+        server.open_round(1, [0, 1, 2])
+        bad = raw_rank(server, 2)
+        with bad:
+            send_buffers(bad, make())
+            assert_closed_by_peer(bad)
+        server.rank_dead(2)
+        workers = [Worker(lambda r=r: cs[r].reduce(1, params[r], 1.0, [], True)) for r in range(2)]
+        assert [w.result() for w in workers] == [(2.0, 2.0)] * 2
+        assert done.wait(2) == [(0, (0, 1), 2.0), (1, (0, 1), 2.0)]
+
+
+def test_stalled_upload_times_out_and_closes() -> None:
+    with serving(2, read_timeout_s=0.3) as (server, _):
+        bad = raw_rank(server, 1)
+        with bad:
+            buffers = frames(1, model(1))
+            bad.sendall(b"".join(bytes(b) for b in buffers)[:40])  # header and a bit: then silence
+            assert_closed_by_peer(bad)
+
+
+def test_idle_connection_between_rounds_has_no_deadline() -> None:
+    params = [model(r) for r in range(2)]
+    with serving(2, read_timeout_s=0.2) as (server, _), clients(server, [0, 1]) as cs:
+        time.sleep(0.5)  # longer than the read deadline: a long training window
+        server.open_round(1, [0, 1])
+        workers = [Worker(lambda r=r: cs[r].reduce(1, params[r], 1.0, [], True)) for r in range(2)]
+        assert [w.result() for w in workers] == [(2.0, 2.0)] * 2
+
+
+def test_upload_to_a_round_that_does_not_expect_the_rank_closes_it() -> None:
+    params = [model(r) for r in range(2)]
+    with serving(2) as (server, done), clients(server, [0, 1]) as cs:
+        server.open_round(1, [0])
+        outsider = Worker(lambda: cs[1].reduce(1, params[1], 1.0, [], True))
+        with pytest.raises(CoordinatorLost):
+            outsider.result()
+        assert Worker(lambda: cs[0].reduce(1, params[0], 1.0, [], True)).result() == (1.0, 1.0)
+        assert done.wait(1) == [(1, (0,), 1.0)]
+
+
+# ---------------------------------------------------------------------- client side
+def test_client_raises_coordinator_lost_on_timeout_and_on_server_close() -> None:
+    params = model(0)
+    with serving(2) as (server, _):
+        server.open_round(1, [0, 1])
+        slow = ReduceClient("127.0.0.1", server.port, SECRET, 0, 2, timeout_s=0.3)
+        try:
+            slow.connect(5.0)
+            with pytest.raises(CoordinatorLost, match="timed out"):
+                slow.reduce(1, params, 1.0, [], True)  # rank 1 never uploads
+        finally:
+            slow.close()
+    with serving(2) as (server, _), clients(server, [0]) as cs:
+        server.open_round(1, [0, 1])
+        pending = Worker(lambda: cs[0].reduce(1, params, 1.0, [], True))
+        wait_until(lambda: server.waiting_for(1) == (1,), "rank 0 to upload")
+        server.close()
+        with pytest.raises(CoordinatorLost):
+            pending.result()
+
+
+def test_client_connect_gives_up_when_nobody_listens() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    client = ReduceClient("127.0.0.1", port, SECRET, 0, 1)
+    try:
+        with pytest.raises(CoordinatorLost, match="unreachable"):
+            client.connect(0.6)
+    finally:
+        client.close()
+
+
+def test_client_does_not_touch_params_before_the_consensus() -> None:
+    params = model(0)
+    snapshot = [p.clone() for p in params]
+    with serving(2) as (server, _), clients(server, [0, 1]) as cs:
+        server.open_round(1, [0, 1])
+        first = Worker(lambda: cs[0].reduce(1, params, 3.0, [], True))
+        wait_until(lambda: server.waiting_for(1) == (1,), "rank 0 to upload")
+        assert all(torch.equal(a, b) for a, b in zip(snapshot, params, strict=True))
+        other = model(1)
+        Worker(lambda: cs[1].reduce(1, other, 1.0, [], True)).result()
+        assert first.result() == (4.0, 2.0)
+
+
+# ---------------------------------------------------------------------- lifecycle
+def test_close_leaves_no_threads_and_is_idempotent() -> None:
+    before = set(threading.enumerate())
+    params = [model(r) for r in range(3)]
+    with serving(3) as (server, _), clients(server, [0, 1, 2]) as cs:
+        server.open_round(1, [0, 1, 2])
+        workers = [Worker(lambda r=r: cs[r].reduce(1, params[r], 1.0, [], True)) for r in range(3)]
+        assert [w.result() for w in workers] == [(3.0, 3.0)] * 3
+        server.open_round(2, [0, 1, 2])
+        pending = Worker(lambda: cs[0].reduce(2, params[0], 1.0, [], True))
+        wait_until(lambda: server.waiting_for(2) == (1, 2), "rank 0 to upload")
+        # and a connection stuck in its handshake
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as lingering:
+            lingering.sendall(b"\xf1")
+            server.close()
+            server.close()
+            assert_closed_by_peer(lingering)
+        with pytest.raises(CoordinatorLost):
+            pending.result()
+    leftover = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert leftover == []
+
+
+def test_close_from_on_done_does_not_deadlock() -> None:
+    before = set(threading.enumerate())
+    closed = threading.Event()
+
+    def on_done(cycle: int, contributors: tuple[int, ...], weight: float) -> None:
+        server.close()
+        closed.set()
+
+    server = ReduceServer(SECRET, world_size=1, on_done=on_done)
+    try:
+        server.start()
+        server.open_round(1, [])
+        assert closed.wait(JOIN_S)
+    finally:
+        server.close()
+    assert [t for t in threading.enumerate() if t not in before and t.is_alive()] == []
+
+
+def test_context_manager_and_start_twice() -> None:
+    done = Done()
+    with ReduceServer(SECRET, world_size=1, on_done=done) as server:
+        server.start()
+        with pytest.raises(Exception, match="twice"):
+            server.start()
+
+
+# ---------------------------------------------------------------------- latency
+@pytest.mark.uvloop
+async def test_event_loop_keeps_its_cadence_during_a_256_mib_round() -> None:
+    """A 1 ms heartbeat task on uvloop in this thread keeps p99 lag < 50 ms while the server
+    receives, folds and sends a 256 MiB model (world 2, ranks as threads of this process)."""
+    assert isinstance(asyncio.get_running_loop(), uvloop.Loop)
+    numel = 256 * (1 << 20) // 4 // 4
+    params = [[torch.full((numel,), float(r + 1)) for _ in range(4)] for r in range(2)]
+    lags: list[float] = []
+    with serving(2, max_frame_bytes=600 << 20) as (server, done), clients(server, [0, 1]) as cs:
+        server.open_round(1, [0, 1])
+        workers = [
+            Worker(lambda r=r: cs[r].reduce(1, params[r], float(r + 1), [], True)) for r in range(2)
+        ]
+        while any(w.is_alive() for w in workers):
+            due = time.perf_counter() + 0.001  # uvloop's loop.time() has 1 ms resolution
+            await asyncio.sleep(0.001)
+            lags.append(time.perf_counter() - due)
+        assert [w.result() for w in workers] == [(3.0, 2.0)] * 2
+        assert done.wait(1) == [(1, (0, 1), 3.0)]
+    assert torch.allclose(params[0][0][:10], torch.full((10,), 5.0 / 3.0))
+    lags.sort()
+    p99 = lags[math.ceil(0.99 * len(lags)) - 1]
+    assert len(lags) >= 20, f"round too short to measure: {len(lags)} samples"
+    assert p99 < 0.050, f"p99 heartbeat lag {p99 * 1e3:.1f} ms over {len(lags)} samples"
+
+
+def test_hello_layout() -> None:
+    hello = encode_data_hello(SECRET, 3, 8)
+    assert len(hello) == HELLO_BYTES == 29
+    assert struct.unpack("!IBII", hello[:13]) == (0xF10D17C0, 1, 3, 8)
+    ack = encode_data_ack(SECRET, hello)
+    assert struct.unpack("!IBII", ack[:13]) == (0xF10D17C1, 1, 3, 8)
+    check_data_ack(SECRET, hello, ack)
+    with pytest.raises(FrameError, match="tag"):
+        check_data_ack(SECRET, hello, encode_data_ack(b"other", hello))
+    with pytest.raises(FrameError, match="tag"):  # an ack for another hello
+        check_data_ack(SECRET, hello, encode_data_ack(SECRET, encode_data_hello(SECRET, 2, 8)))
+    with pytest.raises(FrameError, match="magic"):
+        check_data_ack(SECRET, hello, hello)
