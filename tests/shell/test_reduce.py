@@ -215,6 +215,30 @@ def test_several_rounds_reuse_the_connection_and_stay_exact() -> None:
         assert [c[0] for c in done.wait(4)] == [0, 1, 2, 3]
 
 
+def test_elided_zeros_in_a_weighted_upload_and_f64_tensors() -> None:
+    """A zero tensor rides elided; the server must not fold last round's values in its place.
+    f64 tensors are accumulated and sent back in f64."""
+    with serving(2) as (server, done), clients(server, [0, 1]) as cs:
+        for cycle, zero_first in ((1, False), (2, True)):
+            params = [
+                [torch.full((4,), 1.0 + r), torch.arange(3, dtype=torch.float64) + r]
+                for r in range(2)
+            ]
+            if zero_first:
+                params[0][0].zero_()
+            expected = weighted_mean([[p.clone() for p in ps] for ps in params], [1.0, 1.0])
+            server.open_round(cycle, [0, 1])
+            workers = [
+                Worker(lambda r=r, c=cycle, ps=params: cs[r].reduce(c, ps[r], 1.0, [], True))
+                for r in range(2)
+            ]
+            assert [w.result() for w in workers] == [(2.0, 2.0)] * 2
+            assert params[0][1].dtype == torch.float64
+            close_all(expected, params[0], rtol=0.0)
+            close_all(expected, params[1], rtol=0.0)
+        assert done.wait(2) == [(1, (0, 1), 2.0), (2, (0, 1), 2.0)]
+
+
 def test_zero_weight_round_keeps_local_state() -> None:
     params = [model(r) for r in range(2)]
     buffers = [[torch.full((3,), float(r))] for r in range(2)]

@@ -1,0 +1,392 @@
+"""CPU averaging round (ReduceServer over loopback) next to a Gloo all_reduce of the same model.
+
+Usage::
+
+    python benchmarks/bench_reduce.py [--quick] [--reps N] [--json PATH]
+
+For every model size (16/64/256 MiB of f32; ``--quick``: 16/64) and world size (2, 4), in one
+run:
+
+* ``cpu f32`` / ``cpu bf16``: one averaging round of :class:`flodl.coord.reduce.ReduceServer`
+  (in this process) with ``world`` rank processes, each a :class:`flodl.rank.reduce_client.
+  ReduceClient` uploading its pre-scaled parameters (4 tensors) and 2 small buffers and
+  receiving the consensus, over 127.0.0.1. Round time = the slowest rank's ``reduce()`` call,
+  all ranks released by one barrier; best of ``--reps``.
+* ``gloo``: ``world`` processes in one ``init_process_group("gloo")`` (TCPStore on 127.0.0.1)
+  timing ``all_reduce`` + ``div_`` of one flat tensor of the same size (the best case for Gloo,
+  as a DDP bucket), slowest rank, best of ``--reps``.
+* ``memcpy``: ``dst.copy_(src)`` of the same bytes; ``hmac``: HMAC-SHA256 of the same bytes on
+  one core; ``fold``: the server's sum and division for that world (``torch.add`` + ``div_``).
+
+At world 2 every case also runs as ``tag-first``: the ablation where client and server tag a
+frame before sending its first byte (what :func:`~flodl.wire.tensors.encode_tensor_frame`
+then ``send_buffers`` does), against the default that sends the payloads while another thread
+computes the tag that ends the frame.
+
+Ratios are CPU round / Gloo (targets at world 2, 64 MiB: f32 <= 1.2, bf16 <= 0.8). ``wire GB/s``
+is bytes on the wire per round (uplink and downlink, every rank) per second, next to memcpy.
+The HMAC breakdown: every byte is authenticated ``3W + 1`` times per round (each rank's upload
+by the rank and the server, the consensus once by the server and once by each rank), all on
+CPUs shared by the ranks, the server and Gloo alike; ``mac floor`` = that work at the measured
+single-core HMAC rate divided by the cores available, the least time any round of this format
+can take on this machine. ``cpu ms`` is the CPU time (user + system) of the server and every
+rank process during the best round, ``cores busy`` that over the round's wall time, ``mac/cpu``
+the share of it the HMAC passes alone account for, ``sys/cpu`` the kernel's share (loopback
+TCP copies every byte twice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import hmac
+import multiprocessing as mp
+import os
+import queue
+import resource
+import socket
+import sys
+import time
+import warnings
+from typing import Any
+
+from _common import (
+    RESULTS_DIR,
+    best_of,
+    ensure_repo_on_path,
+    machine_info,
+    print_table,
+    write_json,
+)
+
+ensure_repo_on_path()
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+    import torch
+
+import flodl.coord.reduce as reduce_server  # noqa: E402
+from flodl.coord.reduce import ReduceServer  # noqa: E402
+from flodl.rank import reduce_client  # noqa: E402
+from flodl.rank.reduce_client import ReduceClient  # noqa: E402
+
+STREAM_TAGS = (reduce_server._INLINE_TAG_BYTES, reduce_client._INLINE_TAG_BYTES)
+NEVER = 1 << 62  # an inline-tag threshold no frame reaches: tag first, then send
+
+SECRET = b"bench-reduce-secret-0123456789ab"
+PARAM_TENSORS = 4
+BUFFER_NUMEL = 256
+TARGET_F32 = 1.2
+TARGET_BF16 = 0.8
+MIB = 1 << 20
+
+
+def _threads(world: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // world)
+
+
+def _cpu_times() -> tuple[float, float]:
+    """(user, system) CPU seconds of this process, every thread included."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime, usage.ru_stime
+
+
+def _model(mib: int, rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    numel = mib * MIB // 4 // PARAM_TENSORS
+    gen = torch.Generator().manual_seed(rank)
+    params = [torch.randn(numel, generator=gen) for _ in range(PARAM_TENSORS)]
+    buffers = [torch.randn(BUFFER_NUMEL, generator=gen) for _ in range(2)]
+    return params, buffers
+
+
+# ---------------------------------------------------------------------- rank processes
+def _cpu_rank(rank: int, world: int, jobs: Any, results: Any, barrier: Any) -> None:
+    """Run every phase the parent sends: (port, mib, bf16, reps, stream) or None to stop."""
+    warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+    torch.set_num_threads(_threads(world))
+    while (job := jobs.get()) is not None:
+        port, mib, bf16, reps, stream = job
+        reduce_client._INLINE_TAG_BYTES = STREAM_TAGS[1] if stream else NEVER
+        params, buffers = _model(mib, rank)
+        client = ReduceClient("127.0.0.1", port, SECRET, rank, world, bf16_wire=bf16)
+        client.connect(30.0)
+        try:
+            client.reduce(0, params, 1.0 if rank == 0 else 0.0, buffers, rank == 0)  # warm-up
+            for cycle in range(1, reps + 1):
+                barrier.wait()
+                cpu = _cpu_times()
+                start = time.perf_counter()
+                client.reduce(cycle, params, float(rank + 1), buffers, True)
+                elapsed = time.perf_counter() - start
+                user, system = (b - a for a, b in zip(cpu, _cpu_times(), strict=True))
+                results.put((rank, cycle, elapsed, user, system))
+        finally:
+            client.close()
+        del params, buffers
+
+
+def _gloo_rank(rank: int, world: int, port: int, sizes: list[int], reps: int, results: Any) -> None:
+    warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
+    import torch.distributed as dist
+
+    torch.set_num_threads(_threads(world))
+    store = dist.TCPStore(
+        "127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120)
+    )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        for mib in sizes:
+            flat = torch.randn(mib * MIB // 4)
+            for rep in range(reps + 1):  # rep 0 warms up
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_reduce(flat)
+                flat.div_(world)
+                results.put((mib, rank, rep, time.perf_counter() - start))
+            del flat
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- measurements
+def measure_cpu(
+    world: int, cases: list[tuple[int, bool, bool]], reps: int
+) -> dict[tuple[int, bool, bool], tuple[float, float, float]]:
+    """Per case ``(mib, bf16, stream)``, the best round: (wall, user CPU, system CPU) seconds,
+    CPU summed over the server and every rank process. ``stream=False`` is the ablation where
+    every frame is tagged before its first byte is sent (client and server)."""
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    barrier = ctx.Barrier(world + 1)
+    jobs = [ctx.Queue() for _ in range(world)]
+    procs = [
+        ctx.Process(target=_cpu_rank, args=(r, world, jobs[r], results, barrier), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    best: dict[tuple[int, bool, bool], tuple[float, float, float]] = {}
+    try:
+        for mib, bf16, stream in cases:
+            reduce_server._INLINE_TAG_BYTES = STREAM_TAGS[0] if stream else NEVER
+            done: queue.SimpleQueue[int] = queue.SimpleQueue()
+            server = ReduceServer(
+                SECRET,
+                world_size=world,
+                on_done=functools.partial(_report_done, done),
+                max_frame_bytes=max(2 * mib * MIB + MIB, 64 * MIB),
+            )
+            port = server.start()
+            try:
+                server.open_round(0, range(world))
+                for q in jobs:
+                    q.put((port, mib, bf16, reps, stream))
+                done.get(timeout=600)
+                rounds = []
+                for cycle in range(1, reps + 1):
+                    server.open_round(cycle, range(world))
+                    cpu = _cpu_times()
+                    barrier.wait(timeout=600)
+                    per_rank = [results.get(timeout=600) for _ in range(world)]
+                    user, system = (b - a for a, b in zip(cpu, _cpu_times(), strict=True))
+                    assert all(r[1] == cycle for r in per_rank)
+                    rounds.append(
+                        (
+                            max(r[2] for r in per_rank),
+                            user + sum(r[3] for r in per_rank),
+                            system + sum(r[4] for r in per_rank),
+                        )
+                    )
+                best[(mib, bf16, stream)] = min(rounds)
+            finally:
+                server.close()
+                reduce_server._INLINE_TAG_BYTES = STREAM_TAGS[0]
+            print(
+                f"  world {world} {mib:4d} MiB {'bf16' if bf16 else 'f32 '}"
+                f"{'' if stream else ' tag-first'}: {best[(mib, bf16, stream)][0] * 1e3:8.1f} ms",
+                flush=True,
+            )
+    finally:
+        for q in jobs:
+            q.put(None)
+        for p in procs:
+            p.join(timeout=60)
+    return best
+
+
+def measure_gloo(world: int, sizes: list[int], reps: int) -> dict[int, float]:
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = [
+        ctx.Process(target=_gloo_rank, args=(r, world, port, sizes, reps, results), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    per_rep: dict[tuple[int, int], float] = {}
+    for _ in range(world * len(sizes) * (reps + 1)):
+        mib, _rank, rep, seconds = results.get(timeout=600)
+        per_rep[(mib, rep)] = max(per_rep.get((mib, rep), 0.0), seconds)
+    for p in procs:
+        p.join(timeout=60)
+    best = {mib: min(per_rep[(mib, rep)] for rep in range(1, reps + 1)) for mib in sizes}
+    for mib in sizes:
+        print(f"  world {world} {mib:4d} MiB gloo: {best[mib] * 1e3:8.1f} ms", flush=True)
+    return best
+
+
+def _report_done(done: queue.SimpleQueue[int], cycle: int, *_: object) -> None:
+    done.put(cycle)
+
+
+def _fold(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """The server's fold of ``len(parts)`` uploads: sum in rank order, divide once."""
+    torch.add(parts[0], parts[1], out=dst)
+    for p in parts[2:]:
+        dst.add_(p)
+    dst.div_(float(len(parts)))
+
+
+def measure_local(sizes: list[int], worlds: list[int], reps: int) -> dict[str, Any]:
+    memcpy: dict[int, float] = {}
+    fold: dict[tuple[int, int], float] = {}
+    for mib in sizes:
+        src = torch.randn(mib * MIB // 4)
+        dst = torch.empty_like(src)
+        memcpy[mib] = mib * MIB / best_of(functools.partial(dst.copy_, src), reps)
+        for world in worlds:
+            fold[(mib, world)] = best_of(functools.partial(_fold, dst, [src] * world), reps)
+    data = os.urandom(64 * MIB)
+    hmac_rate = len(data) / best_of(lambda: hmac.new(SECRET, data, "sha256").digest(), reps)
+    return {"memcpy": memcpy, "fold": fold, "hmac": hmac_rate}
+
+
+def wire_bytes(mib: int, world: int, bf16: bool) -> int:
+    """Payload bytes on the wire in one round: every rank's upload and its consensus."""
+    itemsize = 2 if bf16 else 4
+    model = mib * MIB // 4 * itemsize + 2 * BUFFER_NUMEL * itemsize
+    return 2 * world * model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 and 64 MiB only, 3 repetitions")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (best of)")
+    parser.add_argument("--json", default=str(RESULTS_DIR / "bench_reduce.json"))
+    args = parser.parse_args()
+    sizes = [16, 64] if args.quick else [16, 64, 256]
+    worlds = [2, 4]
+    reps = args.reps or (3 if args.quick else 5)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+    print(f"bench_reduce: sizes {sizes} MiB, worlds {worlds}, best of {reps}, {cores} cores")
+    local = measure_local(sizes, worlds, reps)
+    rows: list[list[object]] = []
+    records: list[dict[str, Any]] = []
+    for world in worlds:
+        gloo = measure_gloo(world, sizes, reps)
+        cases = [(mib, bf16, True) for mib in sizes for bf16 in (False, True)]
+        if world == 2:
+            cases += [(mib, bf16, False) for mib in sizes for bf16 in (False, True)]
+        cpu = measure_cpu(world, cases, reps)
+        for mib, bf16, stream in sorted(cases, key=lambda c: (c[0], c[1], not c[2])):
+            seconds, user, system = cpu[(mib, bf16, stream)]
+            nbytes = wire_bytes(mib, world, bf16)
+            mac_cpu = (3 * world + 1) * nbytes / (2 * world) / local["hmac"]
+            mac_floor = mac_cpu / (cores or 1)
+            ratio = seconds / gloo[mib]
+            target = TARGET_BF16 if bf16 else TARGET_F32
+            wire = "bf16" if bf16 else "f32"
+            record = {
+                "world": world,
+                "mib": mib,
+                "wire": wire,
+                "tags": "streamed" if stream else "tag-first (ablation)",
+                "round_ms": seconds * 1e3,
+                "gloo_ms": gloo[mib] * 1e3,
+                "ratio_vs_gloo": ratio,
+                "target_ratio": target,
+                "target_met": ratio <= target,
+                "wire_bytes": nbytes,
+                "wire_gbps": nbytes / seconds / 1e9,
+                "memcpy_gbps": local["memcpy"][mib] / 1e9,
+                "hmac_gbps_1core": local["hmac"] / 1e9,
+                "mac_floor_ms": mac_floor * 1e3,
+                "cpu_ms": (user + system) * 1e3,
+                "cpu_user_ms": user * 1e3,
+                "cpu_system_ms": system * 1e3,
+                "cores_busy": (user + system) / seconds,
+                "mac_share_of_cpu": mac_cpu / (user + system),
+                "fold_ms": local["fold"][(mib, world)] * 1e3,
+            }
+            records.append(record)
+            rows.append(
+                [
+                    f"w{world} {mib} MiB {wire}{'' if stream else ' tag-first'}",
+                    record["round_ms"],
+                    record["gloo_ms"],
+                    ratio,
+                    record["wire_gbps"],
+                    record["memcpy_gbps"],
+                    record["mac_floor_ms"],
+                    record["fold_ms"],
+                    record["cpu_ms"],
+                    record["cores_busy"],
+                    f"{100 * record['mac_share_of_cpu']:.0f}%",
+                    f"{100 * system / (user + system):.0f}%",
+                ]
+            )
+    print_table(
+        f"CPU averaging round vs Gloo all_reduce (best of {reps}; {cores} cores; "
+        f"hmac {local['hmac'] / 1e9:.2f} GB/s on one core)",
+        [
+            "case",
+            "round ms",
+            "gloo ms",
+            "round/gloo",
+            "wire GB/s",
+            "memcpy GB/s",
+            "mac floor ms",
+            "fold ms",
+            "cpu ms",
+            "cores busy",
+            "mac/cpu",
+            "sys/cpu",
+        ],
+        rows,
+    )
+    key, key16 = (
+        next(
+            r
+            for r in records
+            if (r["world"], r["mib"], r["wire"], r["tags"]) == (2, 64, wire, "streamed")
+        )
+        for wire in ("f32", "bf16")
+    )
+    print(
+        f"\ntargets at world 2, 64 MiB: f32 {key['ratio_vs_gloo']:.2f} (<= {TARGET_F32}), "
+        f"bf16 {key16['ratio_vs_gloo']:.2f} (<= {TARGET_BF16})"
+    )
+    path = write_json(
+        args.json,
+        {
+            "benchmark": "bench_reduce",
+            "quick": args.quick,
+            "reps": reps,
+            "machine": machine_info(),
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "hmac_gbps_1core": local["hmac"] / 1e9,
+            "rows": records,
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
