@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
-from flodl.errors import (
+# torch's CPU wheel warns at import time when numpy is absent; flodl never needs numpy.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
+from flodl.errors import (  # noqa: E402
     ConfigError,
     CoordinatorLost,
     CycleAborted,
@@ -17,8 +21,22 @@ from flodl.errors import (
 
 __version__ = "0.1.0"
 
+
 __all__ = [
     "__version__",
+    "Trainer",
+    "TrainerBuilder",
+    "TrainerConfig",
+    "TrainerHandle",
+    "TrainedState",
+    "ElCheConfig",
+    "CoordConfig",
+    "MaxFailure",
+    "EpochMetrics",
+    "BatchDataset",
+    "MapDataset",
+    "TensorBatchDataset",
+    "record_scalar",
     "ConfigError",
     "CoordinatorLost",
     "CycleAborted",
@@ -30,3 +48,32 @@ __all__ = [
 ]
 
 logging.getLogger("flodl").addHandler(logging.NullHandler())
+
+# The public API is loaded on first use (PEP 562): ``import flodl.rank.bridge`` or
+# ``flodl.wire`` must not pay for torch, which the Trainer and datasets import.
+_LAZY = {
+    "Trainer": "flodl.trainer",
+    "TrainerBuilder": "flodl.trainer",
+    "TrainerConfig": "flodl.trainer",
+    "TrainerHandle": "flodl.trainer",
+    "record_scalar": "flodl.trainer",
+    "TrainedState": "flodl.rank.snapshot",
+    "ElCheConfig": "flodl.config",
+    "CoordConfig": "flodl.config",
+    "MaxFailure": "flodl.config",
+    "EpochMetrics": "flodl.wire.frames",
+    "BatchDataset": "flodl.data",
+    "MapDataset": "flodl.data",
+    "TensorBatchDataset": "flodl.data",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flodl' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import flodl
 from flodl.config import MODES
@@ -37,8 +38,116 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.set_defaults(command=None)
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+    _add_coord(sub)
     _add_sim(sub)
     return parser
+
+
+def _add_coord(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "coord",
+        help="run a standalone coordinator that ranks started by torchrun, srun or ssh join",
+        description=(
+            "Run one job's coordinator alone. Ranks join with FLODL_COORD=host:port, "
+            "FLODL_SECRET_FILE (or FLODL_SECRET, hex), FLODL_RUN_ID, and their rank/world from "
+            "FLODL_RANK/FLODL_WORLD_SIZE, torchrun's RANK/WORLD_SIZE or SLURM's "
+            "SLURM_PROCID/SLURM_NTASKS. The job options must match what the ranks train."
+        ),
+    )
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: this host only)")
+    p.add_argument("--port", type=int, default=0, help="control port (0: any free port)")
+    p.add_argument(
+        "--secret-file",
+        required=True,
+        help="run secret (hex); created with mode 0600 if missing, refused if group/world-readable",
+    )
+    p.add_argument("--run-id", default="run")
+    p.add_argument("--dataset-len", type=int, required=True, help="samples in the ranks' dataset")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--mode", default="nccl_cadence", help=f"one of {', '.join(MODES)}")
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0)
+    p.set_defaults(command=_run_coord)
+
+
+def _load_or_create_secret(path: str) -> bytes:
+    """The run secret from ``path`` (hex, mode 0600), created there if missing."""
+    import os
+    import secrets
+    import stat
+
+    if not os.path.exists(path):
+        secret = secrets.token_bytes(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret.hex() + "\n")
+        return secret
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o077:
+        raise ConfigError(
+            f"--secret-file {path} has mode {oct(mode)}: run 'chmod 600 {path}' (it must not be "
+            "readable by group or others)"
+        )
+    try:
+        secret = bytes.fromhex(Path(path).read_text().strip())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--secret-file {path}: not a hex secret ({exc})") from None
+    if len(secret) < 16:
+        raise ConfigError(f"--secret-file {path}: the secret must be at least 16 bytes")
+    return secret
+
+
+def _run_coord(args: argparse.Namespace) -> int:
+
+    from flodl.config import CoordConfig, ElCheConfig, validated
+    from flodl.coord.service import CoordinatorService
+
+    try:
+        cfg = validated(
+            CoordConfig,
+            world_size=args.world_size,
+            dataset_len=args.dataset_len,
+            batch_size=args.batch_size,
+            num_epochs=args.epochs,
+            elche=ElCheConfig.preset(args.mode),
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            run_id=args.run_id,
+        )
+        secret = _load_or_create_secret(args.secret_file)
+    except ConfigError as exc:
+        print(f"flodl coord: error: {exc}", file=sys.stderr)
+        return 2
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"flodl coord: warning: listening on {args.host}: traffic is authenticated (HMAC) but "
+            "not encrypted; tunnel it (ssh -L) across untrusted networks",
+            file=sys.stderr,
+        )
+
+    async def serve() -> int:
+        service = CoordinatorService(cfg, secret, host=args.host, port=args.port)
+        port = await service.start()
+        print(
+            f"flodl coordinator for run {cfg.run_id!r} ({cfg.world_size} ranks, {args.mode}) on "
+            f"{args.host}:{port}\n"
+            f"ranks join with: FLODL_COORD={args.host}:{port} "
+            f"FLODL_SECRET_FILE={args.secret_file} FLODL_RUN_ID={cfg.run_id}",
+            flush=True,
+        )
+        try:
+            over = await service.wait()
+        finally:
+            await service.close()
+        print(f"flodl coordinator: {over.reason}", flush=True)
+        return 0 if over.ok else 1
+
+    try:
+        import uvloop
+
+        return int(uvloop.run(serve()))
+    except KeyboardInterrupt:
+        return 130
 
 
 def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

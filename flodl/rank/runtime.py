@@ -265,7 +265,10 @@ class _Rank:
             from flodl.rank.reduce_client import ReduceClient
 
             if accept.data_port is None:
-                raise FlodlError("the coordinator offered no data port for CPU averaging")
+                raise FlodlError(
+                    f"this rank is configured for {self.el.mode} (CPU averaging) but the "
+                    "coordinator runs a collective mode: use the same mode on both"
+                )
             self.client = ReduceClient(
                 spec.coord_host,
                 accept.data_port,
@@ -280,7 +283,10 @@ class _Rank:
             from flodl.rank.collectives import Collective
 
             if accept.store_port is None:
-                raise FlodlError("the coordinator offered no store for collective averaging")
+                raise FlodlError(
+                    f"this rank is configured for {self.el.mode} (collective averaging) but the "
+                    "coordinator runs a CPU mode: use the same mode on both"
+                )
             self.collective = Collective(
                 spec.coord_host,
                 accept.store_port,

@@ -117,7 +117,7 @@ async def spawn_rank(run: Run, rank: int, port: int) -> asyncio.subprocess.Proce
         "out": str(run.tmp / f"rank{rank}.pt"),
         "slow_ms": run.slow_ms.get(rank, 0.0),
         "liveness_timeout_s": 10.0,
-        "collective_timeout_s": 5.0,
+        "collective_timeout_s": 8.0,
     }
     env = {**os.environ, "FLODL_TEST_RANK": json.dumps(job), "FLODL_SECRET": run.secret.hex()}
     return await asyncio.create_subprocess_exec(sys.executable, str(RANK_MAIN), env=env)

@@ -1,0 +1,718 @@
+"""The one training entry: ``Trainer.builder(...).run()`` or ``Trainer.run(..., TrainerConfig)``.
+
+``run()`` decides the process's role from the environment (the trampoline, DESIGN.md §2):
+
+* ``FLODL_RANK`` is set: this process is a rank (spawned by flodl's launcher, or by torchrun /
+  SLURM / ssh joining a standalone coordinator): it trains until the coordinator ends the run.
+  A launcher-spawned rank exits the process afterwards (code after ``join()`` runs once, in the
+  launcher); an externally launched rank returns a handle whose ``is_primary`` says which rank
+  should do the one-off work.
+* a cluster is configured: this process becomes the launcher: it starts the coordinator
+  service on a background thread, re-executes the user's own entry point once per local rank
+  with ``FLODL_*`` variables (so factories may be lambdas), supervises the children (an exit is
+  reported to the coordinator within milliseconds) and returns a handle at once.
+* otherwise: one device, in process, no coordinator, on a background thread.
+
+Every configuration error is raised by ``run()`` as a :class:`~flodl.errors.ConfigError`
+naming the field, before any process starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import math
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Self
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from flodl.config import CoordConfig, ElCheConfig, MaxFailure, validated
+from flodl.coord.chunks import epoch_batches, epoch_slice, index_space, permutation, pick_to_sample
+from flodl.coord.effects import Alert, EpochDone, EvalDone, Record, RunOver, WriteMeta
+from flodl.data import BatchDataset, as_batch_dataset
+from flodl.errors import ConfigError, FlodlError
+from flodl.rank.runtime import RankSpec, TrainJob, record_scalar, run_rank
+from flodl.rank.snapshot import TrainedState
+from flodl.wire.frames import EpochMetrics
+
+__all__ = ["Trainer", "TrainerBuilder", "TrainerConfig", "TrainerHandle", "record_scalar"]
+
+logger = logging.getLogger(__name__)
+
+ENV_RANK = "FLODL_RANK"
+ENV_WORLD = "FLODL_WORLD_SIZE"
+ENV_COORD = "FLODL_COORD"
+ENV_SECRET = "FLODL_SECRET"
+ENV_SECRET_FILE = "FLODL_SECRET_FILE"
+ENV_RUN_ID = "FLODL_RUN_ID"
+ENV_DEVICE = "FLODL_DEVICE"
+ENV_STEM = "FLODL_STEM"
+ENV_THREADS = "FLODL_THREADS"
+ENV_LAUNCHED = "FLODL_LAUNCHED"
+ENV_FINAL_DIR = "FLODL_FINAL_DIR"
+ENV_TIMEOUT_SCALE = "FLODL_NET_TIMEOUT_SCALE"
+
+
+def timeout_scale() -> float:
+    """``FLODL_NET_TIMEOUT_SCALE`` (≥ 0.01), scaling every network deadline; 1.0 if unset."""
+    raw = os.environ.get(ENV_TIMEOUT_SCALE, "")
+    if not raw:
+        return 1.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{ENV_TIMEOUT_SCALE}={raw!r} is not a number") from None
+    if not (value >= 0.01 and math.isfinite(value)):
+        raise ConfigError(f"{ENV_TIMEOUT_SCALE}={raw!r} must be a finite number >= 0.01")
+    return value
+
+
+class TrainerConfig(BaseModel):
+    """Every knob of a run (the config-bag form of the builder). Validated at ``run()``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    dataset: Any
+    batch_size: Annotated[int, Field(ge=1)] = 32
+    num_epochs: Annotated[int, Field(ge=1)] = 1
+    elche: ElCheConfig = Field(default_factory=ElCheConfig)
+    max_grad_norm: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    scheduler_fn: Callable[[int], Callable[[int], float]] | None = None
+    lr_scale_ratio: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1.0
+    metrics_fn: Callable[[EpochMetrics], None] | None = None
+    max_failure: MaxFailure | None = None
+    heartbeat_timeout: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 30.0
+    augment: Annotated[int, Field(ge=1)] = 1
+    epoch_splits: Annotated[int, Field(ge=1)] = 1
+    seed: int = 42
+    device: str = "cpu"
+    ranks: Annotated[int, Field(ge=1, le=4096)] | None = None
+    """Local ranks to launch on this host (``None``: one device, in process)."""
+    save_path: str | None = None
+    """File stem for death records and (later) checkpoints."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if not (
+            hasattr(self.dataset, "__len__")
+            and (hasattr(self.dataset, "get_batch") or hasattr(self.dataset, "__getitem__"))
+        ):
+            raise ValueError("dataset must be a map-style dataset or a BatchDataset")
+        n = len(self.dataset)
+        if n < self.batch_size:
+            raise ValueError(f"dataset has {n} samples, fewer than one batch ({self.batch_size})")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        ratios = self.elche.partition_ratios
+        world = self.ranks or 1
+        if ratios is not None and len(ratios) != world:
+            raise ValueError(f"elche.partition_ratios has {len(ratios)} entries for {world} ranks")
+        return self
+
+
+Fn = Callable[..., Any]
+
+
+class TrainerBuilder:
+    """Chained setters over :class:`TrainerConfig`; ``run()`` validates and starts."""
+
+    def __init__(self, model_factory: Fn, optim_factory: Fn, train_step: Fn) -> None:
+        self._factories = (model_factory, optim_factory, train_step)
+        self._values: dict[str, Any] = {}
+
+    def _set(self, key: str, value: Any) -> TrainerBuilder:
+        self._values[key] = value
+        return self
+
+    def dataset(self, ds: Any) -> TrainerBuilder:
+        return self._set("dataset", ds)
+
+    def batch_size(self, n: int) -> TrainerBuilder:
+        return self._set("batch_size", n)
+
+    def num_epochs(self, n: int) -> TrainerBuilder:
+        return self._set("num_epochs", n)
+
+    def elche(self, cfg: ElCheConfig) -> TrainerBuilder:
+        return self._set("elche", cfg)
+
+    def max_grad_norm(self, v: float) -> TrainerBuilder:
+        return self._set("max_grad_norm", v)
+
+    def scheduler_fn(self, fn: Callable[[int], Callable[[int], float]]) -> TrainerBuilder:
+        return self._set("scheduler_fn", fn)
+
+    def lr_scale_ratio(self, v: float) -> TrainerBuilder:
+        return self._set("lr_scale_ratio", v)
+
+    def metrics_fn(self, fn: Callable[[EpochMetrics], None]) -> TrainerBuilder:
+        return self._set("metrics_fn", fn)
+
+    def max_failure(self, mf: MaxFailure) -> TrainerBuilder:
+        return self._set("max_failure", mf)
+
+    def heartbeat_timeout(self, seconds: float) -> TrainerBuilder:
+        return self._set("heartbeat_timeout", seconds)
+
+    def augment(self, k: int) -> TrainerBuilder:
+        return self._set("augment", k)
+
+    def epoch_splits(self, n: int) -> TrainerBuilder:
+        return self._set("epoch_splits", n)
+
+    def seed(self, s: int) -> TrainerBuilder:
+        return self._set("seed", s)
+
+    def device(self, d: str) -> TrainerBuilder:
+        return self._set("device", d)
+
+    def local_ranks(self, n: int) -> TrainerBuilder:
+        """Launch ``n`` ranks on this host (one process each)."""
+        return self._set("ranks", n)
+
+    def save_path(self, stem: str) -> TrainerBuilder:
+        return self._set("save_path", stem)
+
+    def config(self) -> TrainerConfig:
+        if "dataset" not in self._values:
+            raise ConfigError("invalid TrainerConfig: dataset: required (call .dataset(ds))")
+        return validated(TrainerConfig, **self._values)
+
+    def run(self) -> TrainerHandle:
+        return Trainer.run(*self._factories, self.config())
+
+
+class TrainerHandle:
+    """What ``run()`` returns: ``join()`` the final state, stream :class:`EpochMetrics`."""
+
+    def __init__(self, world_size: int, *, is_primary: bool = True) -> None:
+        self.world_size = world_size
+        self.is_primary = is_primary
+        self._metrics: queue.SimpleQueue[EpochMetrics | None] = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._state: TrainedState | None = None
+        self._error: BaseException | None = None
+        self._joiner: Callable[[], None] | None = None
+
+    # producer side
+    def _push(self, m: EpochMetrics) -> None:
+        self._metrics.put(m)
+
+    def _finish(self, state: TrainedState | None, error: BaseException | None) -> None:
+        self._state, self._error = state, error
+        self._metrics.put(None)
+        self._done.set()
+
+    # consumer side
+    def join(self, timeout: float | None = None) -> TrainedState:
+        """Wait for the run; returns the final consensus state (CPU tensors).
+
+        Raises:
+            FlodlError: the run failed (the message says why).
+            TimeoutError: not finished within ``timeout`` seconds.
+        """
+        if self._joiner is not None:
+            self._joiner()
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the run did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._state is not None
+        return self._state
+
+    def next_metrics(self, timeout: float | None = None) -> EpochMetrics | None:
+        """The next epoch's metrics, blocking; ``None`` once the run is over (or timeout)."""
+        if self._done.is_set() and self._metrics.empty():
+            return None
+        try:
+            return self._metrics.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def poll_metrics(self) -> list[EpochMetrics]:
+        """Every epoch's metrics that arrived since the last call, without blocking."""
+        out: list[EpochMetrics] = []
+        while True:
+            try:
+                m = self._metrics.get_nowait()
+            except queue.Empty:
+                return out
+            if m is None:
+                self._metrics.put(None)
+                return out
+            out.append(m)
+
+
+class Trainer:
+    """Namespace for the two entry forms."""
+
+    @staticmethod
+    def builder(model_factory: Fn, optim_factory: Fn, train_step: Fn) -> TrainerBuilder:
+        return TrainerBuilder(model_factory, optim_factory, train_step)
+
+    @staticmethod
+    def run(
+        model_factory: Fn, optim_factory: Fn, train_step: Fn, config: TrainerConfig
+    ) -> TrainerHandle:
+        if not isinstance(config, TrainerConfig):
+            raise ConfigError("Trainer.run needs a TrainerConfig as its 4th argument")
+        for name, fn in (
+            ("model_factory", model_factory),
+            ("optim_factory", optim_factory),
+            ("train_step", train_step),
+        ):
+            if not callable(fn):
+                raise ConfigError(f"{name} must be callable, got {type(fn).__name__}")
+        job = _job(model_factory, optim_factory, train_step, config)
+        if rank_env() is not None:
+            return _run_as_rank(job, config)
+        if config.ranks is not None and config.ranks > 1:
+            return _launch_local(job, config)
+        return _run_single(job, config)
+
+
+def _job(model_factory: Fn, optim_factory: Fn, train_step: Fn, c: TrainerConfig) -> TrainJob:
+    return TrainJob(
+        model_factory=model_factory,
+        optim_factory=optim_factory,
+        train_step=train_step,
+        dataset=as_batch_dataset(c.dataset),
+        batch_size=c.batch_size,
+        elche=c.elche,
+        max_grad_norm=c.max_grad_norm,
+        seed=c.seed,
+        augment=c.augment,
+        epoch_splits=c.epoch_splits,
+        scheduler_fn=c.scheduler_fn,
+        lr_scale_ratio=c.lr_scale_ratio,
+    )
+
+
+def _safe_metrics(fn: Callable[[EpochMetrics], None] | None, m: EpochMetrics) -> None:
+    if fn is None:
+        return
+    try:
+        fn(m)
+    except Exception:
+        logger.exception("metrics_fn raised on epoch %d (training continues)", m.epoch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tier 1: one device, in process
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_single(job: TrainJob, c: TrainerConfig) -> TrainerHandle:
+    handle = TrainerHandle(1)
+
+    def body() -> None:
+        try:
+            state = _train_single(job, c, handle)
+        except BaseException as exc:  # noqa: BLE001 - delivered to join()
+            handle._finish(None, exc)
+        else:
+            handle._finish(state, None)
+
+    thread = threading.Thread(target=body, name="flodl-single", daemon=True)
+    thread.start()
+    handle._joiner = lambda: thread.join()
+    return handle
+
+
+def _train_single(job: TrainJob, c: TrainerConfig, handle: TrainerHandle) -> TrainedState:
+    device = torch.device(c.device)
+    torch.manual_seed(job.seed)
+    model = job.model_factory(device)
+    optim = job.optim_factory(model.parameters())
+    scheduler = job.scheduler_fn(1) if job.scheduler_fn else None
+    ds: BatchDataset = job.dataset
+    space = index_space(len(ds), job.augment)
+    bs = job.batch_size
+    step = 0
+    for epoch in range(c.num_epochs * c.epoch_splits):
+        started = time.perf_counter()
+        data_pass, start, _ = epoch_slice(epoch, space, job.epoch_splits)
+        perm = permutation(space, data_pass, job.seed)
+        n_batches = epoch_batches(epoch, space, bs, job.epoch_splits)
+        loss_sum = compute_ms = data_ms = 0.0
+        for b in range(n_batches):
+            t0 = time.perf_counter()
+            picks = perm[start + b * bs : start + (b + 1) * bs]
+            samples = [pick_to_sample(p, job.augment)[0] for p in picks]
+            batch = [t.to(device) for t in ds.get_batch(samples)]
+            t1 = time.perf_counter()
+            if scheduler is not None:
+                for group in optim.param_groups:
+                    group["lr"] = float(scheduler(step))
+            model.train()
+            optim.zero_grad(set_to_none=True)
+            loss = job.train_step(model, batch)
+            loss.backward()  # type: ignore[no-untyped-call]
+            if job.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_grad_norm)
+            optim.step()
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise FlodlError(f"non-finite loss {value} at step {step + 1}")
+            loss_sum += value
+            step += 1
+            compute_ms += (time.perf_counter() - t1) * 1000.0
+            data_ms += (t1 - t0) * 1000.0
+        epoch_ms = (time.perf_counter() - started) * 1000.0
+        busy = compute_ms + data_ms
+        m = EpochMetrics(
+            epoch=epoch,
+            avg_loss=loss_sum / max(1, n_batches),
+            epoch_ms=epoch_ms,
+            per_rank=[{}],
+            per_rank_loss=[loss_sum / max(1, n_batches)],
+            per_rank_throughput=[1000.0 * n_batches * bs / busy if busy > 0 else 0.0],
+            per_rank_batch_share=[1.0],
+            per_rank_samples=[n_batches * bs],
+            per_rank_share_complete_ms=[busy],
+            per_rank_compute_only_ms=[compute_ms],
+            per_rank_data_starve_ms=[data_ms],
+            device_indices=[device.index],
+        )
+        _safe_metrics(c.metrics_fn, m)
+        handle._push(m)
+    return TrainedState.of(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tier 4 (and the children of tier 2): this process is a rank
+# ---------------------------------------------------------------------------------------------
+
+
+def _env(name: str) -> str:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        raise ConfigError(f"this process is a rank but {name} is missing from the environment")
+    return value
+
+
+def _read_secret() -> bytes:
+    if os.environ.get(ENV_SECRET):
+        try:
+            return bytes.fromhex(os.environ[ENV_SECRET])
+        except ValueError:
+            raise ConfigError(f"{ENV_SECRET} must be hex") from None
+    path = os.environ.get(ENV_SECRET_FILE)
+    if not path:
+        raise ConfigError(f"set {ENV_SECRET_FILE} (or {ENV_SECRET}) to the run secret")
+    try:
+        return bytes.fromhex(Path(path).read_text().strip())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the run secret from {path}: {exc}") from None
+
+
+# (rank, world size) variables of the launchers flodl rides, in precedence order.
+_RANK_SOURCES = (
+    (ENV_RANK, ENV_WORLD),  # flodl's own launcher, or set by hand
+    ("RANK", "WORLD_SIZE"),  # torchrun
+    ("SLURM_PROCID", "SLURM_NTASKS"),  # srun
+)
+
+
+def rank_env() -> tuple[int, int] | None:
+    """``(rank, world_size)`` when this process is a rank, else None.
+
+    A rank is a process with ``FLODL_RANK`` set, or one started by torchrun (``RANK``) or SLURM
+    (``SLURM_PROCID``) that was told where the coordinator is (``FLODL_COORD``).
+
+    Raises:
+        ConfigError: the variables are present but malformed or out of range.
+    """
+    for rank_var, world_var in _RANK_SOURCES:
+        raw = os.environ.get(rank_var)
+        if raw is None or (rank_var != ENV_RANK and not os.environ.get(ENV_COORD)):
+            continue
+        world_raw = os.environ.get(ENV_WORLD) or os.environ.get(world_var)
+        if world_raw is None:
+            raise ConfigError(f"{rank_var} is set but neither {ENV_WORLD} nor {world_var} is")
+        try:
+            rank, world = int(raw), int(world_raw)
+        except ValueError:
+            raise ConfigError(
+                f"{rank_var}={raw!r} and the world size {world_raw!r} must be integers"
+            ) from None
+        if not 0 <= rank < world:
+            raise ConfigError(f"{rank_var}={rank} is out of range for world size {world}")
+        return rank, world
+    return None
+
+
+def _rank_spec() -> RankSpec:
+    found = rank_env()
+    assert found is not None
+    rank, world = found
+    host, _, port = _env(ENV_COORD).rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"{ENV_COORD} must be host:port, got {os.environ[ENV_COORD]!r}")
+    scale = timeout_scale()
+    threads = os.environ.get(ENV_THREADS)
+    return RankSpec(
+        coord_host=host.strip("[]"),
+        coord_port=int(port),
+        secret=_read_secret(),
+        run_id=os.environ.get(ENV_RUN_ID, "run"),
+        rank=rank,
+        world_size=world,
+        device=os.environ.get(ENV_DEVICE, "cpu"),
+        liveness_timeout_s=30.0 * scale,
+        collective_timeout_s=20.0 * scale,
+        stem=os.environ.get(ENV_STEM) or None,
+        threads=int(threads) if threads else None,
+        connect_timeout_s=30.0 * scale,
+    )
+
+
+def _run_as_rank(job: TrainJob, c: TrainerConfig) -> TrainerHandle:
+    spec = _rank_spec()
+    launched = os.environ.get(ENV_LAUNCHED) == "1"
+    try:
+        state = run_rank(spec, job)
+    except BaseException:
+        if launched:
+            # the launcher's user reads this child's stderr: say which rank died and why
+            print(f"flodl: rank {spec.rank} failed:", file=sys.stderr)  # noqa: T201
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        raise
+    if launched:
+        final_dir = os.environ.get(ENV_FINAL_DIR)
+        if final_dir:
+            _save_state(state, Path(final_dir) / f"final.rank{spec.rank}.pt")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # code after join() runs once: in the launcher
+    handle = TrainerHandle(spec.world_size, is_primary=spec.rank == 0)
+    handle._finish(state, None)
+    return handle
+
+
+def _save_state(state: TrainedState, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(
+        {"params": state.params, "buffers": state.buffers, "save_reason": state.save_reason}, tmp
+    )
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tier 2: N local ranks (the launcher)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _HandleSink:
+    handle: TrainerHandle
+    metrics_fn: Callable[[EpochMetrics], None] | None
+
+    def write_meta(self, effect: WriteMeta) -> None:
+        return None
+
+    def record(self, effect: Record) -> None:
+        return None
+
+    def alert(self, effect: Alert) -> None:
+        print(f"flodl [{effect.cls}] {effect.path}: {effect.detail}", flush=True)  # noqa: T201
+
+    def epoch_done(self, effect: EpochDone) -> None:
+        _safe_metrics(self.metrics_fn, effect.metrics)
+        self.handle._push(effect.metrics)
+
+    def eval_done(self, effect: EvalDone) -> None:
+        return None
+
+
+def _child_argv() -> list[str]:
+    """Re-execute the user's own entry point (script or ``-m module``, same argv)."""
+    orig = list(getattr(sys, "orig_argv", []))
+    if len(orig) >= 2:
+        return [sys.executable, *orig[1:]]
+    return [sys.executable, *sys.argv]
+
+
+def _launch_local(job: TrainJob, c: TrainerConfig) -> TrainerHandle:
+    from flodl.coord.service import CoordinatorService
+
+    world = c.ranks or 1
+    scale = timeout_scale()
+    coord_cfg = validated(
+        CoordConfig,
+        world_size=world,
+        dataset_len=len(job.dataset),
+        batch_size=c.batch_size,
+        num_epochs=c.num_epochs,
+        augment=c.augment,
+        epoch_splits=c.epoch_splits,
+        seed=c.seed,
+        elche=c.elche,
+        heartbeat_timeout_s=c.heartbeat_timeout * scale,
+        join_timeout_s=300.0 * scale,
+        stall_floor_s=300.0 * scale,
+        max_failure=c.max_failure,
+        run_id=f"run-{secrets.token_hex(4)}",
+    )
+    secret = secrets.token_bytes(32)
+    handle = TrainerHandle(world)
+    sink = _HandleSink(handle, c.metrics_fn)
+    run_dir = Path(tempfile.mkdtemp(prefix="flodl-"))
+    ready: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
+    over_box: list[RunOver] = []
+    loop_box: list[asyncio.AbstractEventLoop] = []
+    stop = threading.Event()
+    service = CoordinatorService(coord_cfg, secret, sink=sink)
+
+    async def serve() -> None:
+        loop_box.append(asyncio.get_running_loop())
+        try:
+            port = await service.start()
+        except BaseException as exc:
+            ready.put(exc)
+            raise
+        ready.put(port)
+        try:
+            over_box.append(await service.wait())
+        finally:
+            await service.close()
+
+    def service_main() -> None:
+        try:
+            import uvloop
+
+            uvloop.run(serve())
+        except BaseException:
+            logger.exception("coordinator service failed")
+        finally:
+            stop.set()
+
+    service_thread = threading.Thread(target=service_main, name="flodl-coord", daemon=True)
+    service_thread.start()
+    got = ready.get(timeout=60)
+    if isinstance(got, BaseException):
+        raise FlodlError(f"the coordinator failed to start: {got}") from got
+    port = got
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // world) if c.device == "cpu" else 1
+    procs: list[subprocess.Popen[bytes]] = []
+    base_env = {
+        **os.environ,
+        ENV_COORD: f"127.0.0.1:{port}",
+        ENV_WORLD: str(world),
+        ENV_RUN_ID: coord_cfg.run_id,
+        ENV_SECRET: secret.hex(),
+        ENV_LAUNCHED: "1",
+        ENV_FINAL_DIR: str(run_dir),
+        ENV_THREADS: str(threads),
+        ENV_STEM: c.save_path or str(run_dir / "run"),
+    }
+    for rank in range(world):
+        env = {**base_env, ENV_RANK: str(rank), ENV_DEVICE: _device_for(c.device, rank)}
+        procs.append(subprocess.Popen(_child_argv(), env=env))
+
+    def kill_all() -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.perf_counter() + 5.0
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    atexit.register(kill_all)
+
+    def watch(rank: int, proc: subprocess.Popen[bytes]) -> None:
+        code = proc.wait()
+        service.child_exited_threadsafe(rank, code)
+
+    watchers = [
+        threading.Thread(target=watch, args=(r, p), name=f"flodl-watch-{r}", daemon=True)
+        for r, p in enumerate(procs)
+    ]
+    for t in watchers:
+        t.start()
+
+    def finish() -> None:
+        error: BaseException | None = None
+        state: TrainedState | None = None
+        try:
+            stop.wait()
+            for t in watchers:
+                t.join(timeout=30.0 * scale + 10.0)
+            kill_all()
+            over = over_box[0] if over_box else None
+            codes = [p.returncode for p in procs]
+            state = _load_final(run_dir, codes)
+            if over is None:
+                error = FlodlError("the coordinator stopped without ending the run")
+            elif not over.ok and over.save_reason is None:
+                error = FlodlError(f"run failed: {over.reason} (rank exit codes {codes})")
+            elif state is None:
+                error = FlodlError(f"no rank delivered a final state (exit codes {codes})")
+            elif over.save_reason is not None:
+                state.save_reason = over.save_reason
+        except BaseException as exc:  # noqa: BLE001 - delivered to join()
+            error = exc
+        finally:
+            atexit.unregister(kill_all)
+        handle._finish(state, error)
+
+    finisher = threading.Thread(target=finish, name="flodl-finish", daemon=True)
+    finisher.start()
+
+    def join_all() -> None:
+        try:
+            finisher.join()
+        except KeyboardInterrupt:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGINT)
+            kill_all()
+            if loop_box and not loop_box[0].is_closed():
+                loop_box[0].call_soon_threadsafe(_cancel_all, loop_box[0])
+            raise
+
+    handle._joiner = join_all
+    return handle
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
+
+
+def _device_for(device: str, rank: int) -> str:
+    if device == "cpu":
+        return "cpu"
+    return f"cuda:{rank}" if device == "cuda" else device
+
+
+def _load_final(run_dir: Path, codes: list[int | None]) -> TrainedState | None:
+    for rank, code in enumerate(codes):
+        path = run_dir / f"final.rank{rank}.pt"
+        if code == 0 and path.exists():
+            data: dict[str, Any] = torch.load(path, weights_only=True)
+            return TrainedState(list(data["params"]), list(data["buffers"]), data["save_reason"])
+    return None

@@ -1,0 +1,51 @@
+"""A rank started by an external launcher (torchrun, srun, ssh) joining ``flodl coord``.
+
+``python join_main.py --out DIR [--mode M] [--epochs E]``; the coordinator's address and
+secret come from ``FLODL_COORD`` / ``FLODL_SECRET_FILE``, the rank from the launcher's own
+variables. Every rank writes ``DIR/rank<N>.pt``; the primary also writes ``DIR/primary``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from flodl import ElCheConfig, TensorBatchDataset, Trainer, TrainerConfig
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--mode", default="cpu_cadence")
+    p.add_argument("--epochs", type=int, default=2)
+    args = p.parse_args()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 16, generator=g)
+    y = (x @ torch.randn(16, 4, generator=g)).argmax(dim=1)
+    handle = Trainer.run(
+        lambda device: torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+        ),
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]),
+        TrainerConfig(
+            dataset=TensorBatchDataset(x, y),
+            batch_size=32,
+            num_epochs=args.epochs,
+            elche=ElCheConfig.preset(args.mode),
+        ),
+    )
+    state = handle.join()
+    rank = os.environ.get("FLODL_RANK") or os.environ.get("RANK") or "?"
+    out = Path(args.out)
+    torch.save({"params": state.params}, out / f"rank{rank}.pt")
+    if handle.is_primary:
+        (out / "primary").write_text(rank)
+
+
+if __name__ == "__main__":
+    main()

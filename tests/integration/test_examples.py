@@ -1,0 +1,51 @@
+"""The README's examples run as documented on this machine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(argv), cwd=REPO, capture_output=True, text=True, timeout=150, check=False
+    )
+
+
+@pytest.mark.timeout(160)
+def test_single_cpu_example() -> None:
+    out = run(sys.executable, "examples/single_cpu.py")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "epoch 2: loss" in out.stdout
+    assert "done: 4 parameter tensors" in out.stdout
+
+
+@pytest.mark.timeout(160)
+def test_local_ranks_example() -> None:
+    out = run(sys.executable, "examples/local_ranks.py", "--ranks", "2", "--epochs", "1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "done: 4 parameter tensors, world 2" in out.stdout
+
+
+@pytest.mark.timeout(160)
+def test_standalone_coordinator_example() -> None:
+    bindir = Path(sys.executable).parent
+    env_path = f"{bindir}:{Path('/usr/bin')}:{Path('/bin')}"
+    out = subprocess.run(
+        ["bash", "examples/standalone_coord.sh"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+        env={"PATH": env_path, "HOME": str(Path.home())},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "trained 4 parameter tensors with 2 ranks" in out.stdout

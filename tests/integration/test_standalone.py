@@ -1,0 +1,175 @@
+"""Tier 4: ranks started by an external launcher join a standalone ``flodl coord``."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+HERE = Path(__file__).resolve().parent
+JOIN = HERE / "join_main.py"
+
+
+def start_coord(tmp: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flodl",
+            "coord",
+            "--world-size",
+            "2",
+            "--dataset-len",
+            "2048",
+            "--epochs",
+            "2",
+            "--secret-file",
+            str(tmp / "secret"),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    second = proc.stdout.readline()
+    assert "flodl coordinator" in first, (first, proc.stderr.read() if proc.stderr else "")
+    address = second.split("FLODL_COORD=")[1].split()[0]
+    return proc, address
+
+
+def stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    if proc.poll() is None:
+        proc.kill()
+    out, err = proc.communicate(timeout=30)
+    return out, err
+
+
+def identical(tmp: Path) -> None:
+    a = torch.load(tmp / "rank0.pt", weights_only=True)["params"]
+    b = torch.load(tmp / "rank1.pt", weights_only=True)["params"]
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_cadence"])
+def test_torchrun_ranks_join_a_standalone_coordinator(mode: str, tmp_path: Path) -> None:
+    coord, address = start_coord(tmp_path, "--mode", mode)
+    try:
+        env = {**os.environ, "FLODL_COORD": address, "FLODL_SECRET_FILE": str(tmp_path / "secret")}
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                str(JOIN),
+                "--out",
+                str(tmp_path),
+                "--mode",
+                mode,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=150,
+            check=False,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert coord.wait(timeout=30) == 0
+        out, _ = stop(coord)
+        assert "run complete" in out
+        identical(tmp_path)
+        assert (tmp_path / "primary").read_text() == "0"
+        # the secret is never printed
+        secret = (tmp_path / "secret").read_text().strip()
+        assert secret not in out
+        assert stat.S_IMODE((tmp_path / "secret").stat().st_mode) == 0o600
+    finally:
+        stop(coord)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_started_by_hand_join_with_flodl_variables(tmp_path: Path) -> None:
+    coord, address = start_coord(tmp_path, "--mode", "cpu_cadence")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(2):
+            env = {
+                **os.environ,
+                "FLODL_COORD": address,
+                "FLODL_SECRET_FILE": str(tmp_path / "secret"),
+                "FLODL_RANK": str(rank),
+                "FLODL_WORLD_SIZE": "2",
+            }
+            procs.append(
+                subprocess.Popen([sys.executable, str(JOIN), "--out", str(tmp_path)], env=env)
+            )
+        assert [p.wait(timeout=100) for p in procs] == [0, 0]
+        assert coord.wait(timeout=30) == 0
+        identical(tmp_path)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        stop(coord)
+
+
+def test_a_world_readable_secret_file_is_refused(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("00" * 32)
+    secret.chmod(0o644)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flodl",
+            "coord",
+            "--world-size",
+            "2",
+            "--dataset-len",
+            "64",
+            "--secret-file",
+            str(secret),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 2
+    assert f"chmod 600 {secret}" in out.stderr
+
+
+def test_bad_coordinator_options_fail_with_the_field_named(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flodl",
+            "coord",
+            "--world-size",
+            "0",
+            "--dataset-len",
+            "64",
+            "--secret-file",
+            str(tmp_path / "s"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 2
+    assert "world_size" in out.stderr

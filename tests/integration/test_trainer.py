@@ -1,0 +1,183 @@
+"""The Trainer entry on its tiers: one process, and N local ranks through the launcher.
+
+The launcher tests run a user script in a subprocess (the trampoline re-executes it per rank)
+and check that no process of the run outlives it: after success, after a rank crash, after
+SIGINT to the launcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flodl import ConfigError, ElCheConfig, EpochMetrics, Trainer, TrainerConfig
+from flodl.data import TensorBatchDataset
+
+pytestmark = pytest.mark.integration
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "trainer_main.py"
+REPO = HERE.parents[1]
+
+
+def data(n: int = 2048) -> TensorBatchDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 16, generator=g)
+    y = (x @ torch.randn(16, 4, generator=g)).argmax(dim=1)
+    return TensorBatchDataset(x, y)
+
+
+def model(device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def optim(params: object) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)  # type: ignore[arg-type]
+
+
+def step(m: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(m(batch[0]), batch[1])
+
+
+def processes_with(tag: str) -> list[str]:
+    out = subprocess.run(
+        ["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True, check=True
+    )
+    return [line for line in out.stdout.splitlines() if tag in line and "ps -eo" not in line]
+
+
+def run_script(tag: str, *extra: str, limit_s: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--tag", tag, *extra],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=limit_s,
+        cwd=REPO,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_single_process_tier_trains_and_streams_metrics(caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[int] = []
+
+    def metrics_fn(m: EpochMetrics) -> None:
+        seen.append(m.epoch)
+        raise ValueError("a broken metrics_fn must not stop training")
+
+    cfg = TrainerConfig(dataset=data(), batch_size=32, num_epochs=3, metrics_fn=metrics_fn)
+    with caplog.at_level(logging.ERROR, logger="flodl.trainer"):
+        handle = Trainer.run(model, optim, step, cfg)
+        state = handle.join(timeout=60)
+    streamed = list(iter(lambda: handle.next_metrics(timeout=1), None))
+    assert [m.epoch for m in streamed] == [0, 1, 2]
+    assert seen == [0, 1, 2]
+    assert streamed[-1].avg_loss < 0.6 * streamed[0].avg_loss
+    assert "metrics_fn raised" in caplog.text
+    fresh = model(torch.device("cpu"))
+    state.load_into(fresh)
+    assert len(state.params) == len(list(fresh.parameters()))
+
+
+@pytest.mark.timeout(150)
+def test_local_ranks_tier_runs_the_same_script_and_leaves_no_process() -> None:
+    tag = f"flodl-test-{uuid.uuid4().hex}"
+    out = run_script(tag, "--ranks", "3", "--epochs", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "DONE params=4 world=3" in out.stdout
+    assert out.stdout.count("epoch 1 loss") == 1  # metrics_fn fires once per epoch, in the launcher
+    assert processes_with(tag) == []
+
+
+@pytest.mark.timeout(150)
+def test_a_crashing_rank_is_survived_and_leaves_no_process() -> None:
+    tag = f"flodl-test-{uuid.uuid4().hex}"
+    out = run_script(tag, "--ranks", "3", "--crash-rank", "1", "--crash-step", "20")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "injected failure on rank 1" in out.stderr
+    assert "DONE" in out.stdout
+    assert "rank_lost" in out.stdout
+    assert processes_with(tag) == []
+
+
+@pytest.mark.timeout(150)
+def test_sigint_to_the_launcher_stops_every_child() -> None:
+    tag = f"flodl-test-{uuid.uuid4().hex}"
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--tag", tag, "--epochs", "200", "--samples", "20000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # the first epoch's metrics: training is under way
+        assert line.startswith("epoch 0"), line
+        assert len(processes_with(tag)) == 4  # the launcher and its 3 ranks
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        deadline = time.perf_counter() + 15
+        while processes_with(tag) and time.perf_counter() < deadline:
+            time.sleep(0.1)
+        assert processes_with(tag) == []
+        assert proc.returncode != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        for line in processes_with(tag):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+
+
+BAD = [
+    ({"batch_size": -1}, "batch_size"),
+    ({"batch_size": 0}, "batch_size"),
+    ({"num_epochs": 0}, "num_epochs"),
+    ({"max_grad_norm": -1.0}, "max_grad_norm"),
+    ({"heartbeat_timeout": 0}, "heartbeat_timeout"),
+    ({"augment": 0}, "augment"),
+    ({"epoch_splits": 0}, "epoch_splits"),
+    ({"ranks": 0}, "ranks"),
+    ({"device": "tpu"}, "device must be"),
+    ({"batch_size": 10_000}, "fewer than one batch"),
+    ({"dataset": object()}, "map-style dataset"),
+    ({"unknown_knob": 1}, "unknown_knob"),
+    ({"lr_scale_ratio": float("nan")}, "lr_scale_ratio"),
+    ({"ranks": 2, "elche": ElCheConfig(partition_ratios=(0.5, 0.3, 0.2))}, "partition_ratios"),
+    ({"max_failure": {"absolute": 1, "percent": 0.5}}, "exactly one of absolute or percent"),
+]
+
+
+@pytest.mark.parametrize(("override", "phrase"), BAD)
+def test_bad_config_fails_at_run_naming_the_problem(
+    override: dict[str, object], phrase: str
+) -> None:
+    builder = Trainer.builder(model, optim, step).dataset(data())
+    for key, value in override.items():
+        builder._values[key] = value
+    with pytest.raises(ConfigError) as exc:
+        builder.run()
+    assert phrase in str(exc.value)
+
+
+def test_bad_mode_and_bad_overhead_target_name_the_field() -> None:
+    with pytest.raises(ConfigError, match="unknown mode 'gpu_turbo'"):
+        ElCheConfig.preset("gpu_turbo")
+    with pytest.raises(ConfigError, match="overhead_target"):
+        ElCheConfig.cpu_cadence(overhead_target=0.9)
+    with pytest.raises(ConfigError, match="anchor"):
+        ElCheConfig.preset("cpu_cadence", anchor=0)

@@ -1,0 +1,62 @@
+"""A user script for the Trainer tier tests: ``python trainer_main.py --tag T [options]``.
+
+The launcher re-executes this very script per rank (``--tag`` lets the test find every process
+of one run). ``--crash-rank R --crash-step S`` makes rank R raise in train_step at step S.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.nn.functional as F
+
+from flodl import ElCheConfig, TensorBatchDataset, Trainer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tag", required=True)
+    p.add_argument("--ranks", type=int, default=3)
+    p.add_argument("--mode", default="cpu_cadence")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--samples", type=int, default=4096)
+    p.add_argument("--crash-rank", type=int, default=-1)
+    p.add_argument("--crash-step", type=int, default=0)
+    args = p.parse_args()
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.samples, 16, generator=g)
+    y = (x @ torch.randn(16, 4, generator=g)).argmax(dim=1)
+    steps = {"n": 0}
+    me = int(os.environ.get("FLODL_RANK", "-1"))
+
+    def train_step(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+        steps["n"] += 1
+        if me == args.crash_rank and steps["n"] == args.crash_step:
+            raise RuntimeError(f"injected failure on rank {me} at step {steps['n']}")
+        return F.cross_entropy(model(batch[0]), batch[1])
+
+    handle = (
+        Trainer.builder(
+            lambda device: torch.nn.Sequential(
+                torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+            ).to(device),
+            lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+            train_step,
+        )
+        .dataset(TensorBatchDataset(x, y))
+        .batch_size(32)
+        .num_epochs(args.epochs)
+        .elche(ElCheConfig.preset(args.mode))
+        .local_ranks(args.ranks)
+        .metrics_fn(lambda m: print(f"epoch {m.epoch} loss {m.avg_loss:.4f}", flush=True))
+        .run()
+    )
+    state = handle.join()
+    print(f"DONE params={len(state.params)} world={handle.world_size}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
