@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(command=None)
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_coord(sub)
+    _add_launch(sub)
     _add_sim(sub)
     return parser
 
@@ -69,6 +70,57 @@ def _add_coord(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--mode", default="nccl_cadence", help=f"one of {', '.join(MODES)}")
     p.add_argument("--heartbeat-timeout", type=float, default=30.0)
     p.set_defaults(command=_run_coord)
+
+
+def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="run a training script on the hosts and devices of an fdl.cluster.yml",
+        description=(
+            "Run COMMAND (your training script) as the launcher of the cluster described by "
+            "--cluster: its Trainer.run() starts the coordinator and one rank per device, on "
+            "this machine by local exec and on other hosts over ssh (BatchMode, with the "
+            "file's port/user/identity). Each rank's output is prefixed with its rank; "
+            "SIGINT/SIGTERM are forwarded."
+        ),
+    )
+    p.add_argument("--cluster", required=True, help="path of the fdl.cluster.yml")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- python train.py [args]")
+    p.set_defaults(command=_run_launch)
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    import os
+    import signal
+    import subprocess
+
+    from flodl.launch.cluster import CLUSTER_ENV_VAR, load_cluster_yaml
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("flodl launch: error: give the command to run after --", file=sys.stderr)
+        return 2
+    try:
+        cluster = load_cluster_yaml(args.cluster)
+    except ConfigError as exc:
+        print(f"flodl launch: error: {exc}", file=sys.stderr)
+        return 2
+    env = {**os.environ, CLUSTER_ENV_VAR: cluster.to_env_json(), "FLODL_PREFIX_OUTPUT": "1"}
+    try:
+        child = subprocess.Popen(cmd, env=env)
+    except OSError as exc:
+        print(f"flodl launch: error: cannot run {cmd[0]!r}: {exc}", file=sys.stderr)
+        return 2
+
+    def forward(signum: int, _frame: object) -> None:
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    return child.wait()
 
 
 def _load_or_create_secret(path: str) -> bytes:

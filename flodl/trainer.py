@@ -27,6 +27,7 @@ import os
 import queue
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,7 @@ from flodl.coord.chunks import epoch_batches, epoch_slice, index_space, permutat
 from flodl.coord.effects import Alert, EpochDone, EvalDone, Record, RunOver, WriteMeta
 from flodl.data import BatchDataset, as_batch_dataset
 from flodl.errors import ConfigError, FlodlError
+from flodl.launch.cluster import CLUSTER_ENV_VAR, Cluster, ClusterBuilder
 from flodl.rank.runtime import RankSpec, TrainJob, record_scalar, run_rank
 from flodl.rank.snapshot import TrainedState
 from flodl.wire.frames import EpochMetrics
@@ -66,6 +68,8 @@ ENV_THREADS = "FLODL_THREADS"
 ENV_LAUNCHED = "FLODL_LAUNCHED"
 ENV_FINAL_DIR = "FLODL_FINAL_DIR"
 ENV_TIMEOUT_SCALE = "FLODL_NET_TIMEOUT_SCALE"
+ENV_LOCAL_HOSTS = "FLODL_LOCAL_HOSTS"
+ENV_PREFIX_OUTPUT = "FLODL_PREFIX_OUTPUT"
 
 
 def timeout_scale() -> float:
@@ -103,6 +107,8 @@ class TrainerConfig(BaseModel):
     device: str = "cpu"
     ranks: Annotated[int, Field(ge=1, le=4096)] | None = None
     """Local ranks to launch on this host (``None``: one device, in process)."""
+    cluster: Cluster | None = None
+    """Hosts and devices to launch on (``ClusterBuilder`` / ``fdl.cluster.yml``)."""
     save_path: str | None = None
     """File stem for death records and (later) checkpoints."""
 
@@ -118,8 +124,10 @@ class TrainerConfig(BaseModel):
             raise ValueError(f"dataset has {n} samples, fewer than one batch ({self.batch_size})")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.ranks is not None and self.cluster is not None:
+            raise ValueError("set either ranks (local) or cluster, not both")
         ratios = self.elche.partition_ratios
-        world = self.ranks or 1
+        world = self.cluster.world_size if self.cluster is not None else (self.ranks or 1)
         if ratios is not None and len(ratios) != world:
             raise ValueError(f"elche.partition_ratios has {len(ratios)} entries for {world} ranks")
         return self
@@ -187,6 +195,10 @@ class TrainerBuilder:
 
     def save_path(self, stem: str) -> TrainerBuilder:
         return self._set("save_path", stem)
+
+    def cluster(self, cluster: Cluster) -> TrainerBuilder:
+        """Launch on these hosts and devices (``ClusterBuilder(...).build()``)."""
+        return self._set("cluster", cluster)
 
     def config(self) -> TrainerConfig:
         if "dataset" not in self._values:
@@ -281,9 +293,37 @@ class Trainer:
         job = _job(model_factory, optim_factory, train_step, config)
         if rank_env() is not None:
             return _run_as_rank(job, config)
-        if config.ranks is not None and config.ranks > 1:
-            return _launch_local(job, config)
+        cluster = _resolve_cluster(config)
+        if cluster is not None and cluster.world_size > 1:
+            return _launch(job, config, cluster)
         return _run_single(job, config)
+
+
+def _resolve_cluster(c: TrainerConfig) -> Cluster | None:
+    """Precedence: the cluster ``flodl launch`` hands over > ``cluster`` > ``ranks``."""
+    handed = os.environ.get(CLUSTER_ENV_VAR)
+    if handed:
+        return Cluster.from_env_json(handed)
+    if c.cluster is not None:
+        return c.cluster
+    if c.ranks is not None:
+        return ClusterBuilder.local(c.ranks, "cpu" if c.device == "cpu" else "cuda")
+    if c.device == "cuda":
+        # auto-promote: one rank per visible GPU (nvidia-smi; the launcher never touches CUDA)
+        from flodl.launch.gpus import detect_gpus
+
+        gpus = detect_gpus()
+        if len(gpus) >= 2:
+            return ClusterBuilder.all_local_gpus(len(gpus))
+    return None
+
+
+def local_host_names() -> frozenset[str]:
+    """Names of this machine: its hostname, FQDN and ``FLODL_LOCAL_HOSTS`` (comma-separated
+    aliases, e.g. names that resolve here); loopback names are always local."""
+    names = {socket.gethostname(), socket.getfqdn()}
+    names |= {n.strip() for n in os.environ.get(ENV_LOCAL_HOSTS, "").split(",") if n.strip()}
+    return frozenset(n for n in names if n)
 
 
 def _job(model_factory: Fn, optim_factory: Fn, train_step: Fn, c: TrainerConfig) -> TrainJob:
@@ -407,6 +447,10 @@ def _env(name: str) -> str:
 
 
 def _read_secret() -> bytes:
+    if os.environ.get("FLODL_SECRET_STDIN") == "1":  # a rank started over ssh
+        from flodl.launch.ssh import read_secret_from_stdin
+
+        return read_secret_from_stdin()
     if os.environ.get(ENV_SECRET):
         try:
             return bytes.fromhex(os.environ[ENV_SECRET])
@@ -551,10 +595,14 @@ def _child_argv() -> list[str]:
     return [sys.executable, *sys.argv]
 
 
-def _launch_local(job: TrainJob, c: TrainerConfig) -> TrainerHandle:
+def _launch(job: TrainJob, c: TrainerConfig, cluster: Cluster) -> TrainerHandle:
     from flodl.coord.service import CoordinatorService
 
-    world = c.ranks or 1
+    world = cluster.world_size
+    local_names = local_host_names()
+    all_local = cluster.is_local(local_names)
+    bind_host = "127.0.0.1" if all_local else cluster.controller.host
+    bind_port = 0 if all_local else cluster.controller.port
     scale = timeout_scale()
     coord_cfg = validated(
         CoordConfig,
@@ -580,7 +628,7 @@ def _launch_local(job: TrainJob, c: TrainerConfig) -> TrainerHandle:
     over_box: list[RunOver] = []
     loop_box: list[asyncio.AbstractEventLoop] = []
     stop = threading.Event()
-    service = CoordinatorService(coord_cfg, secret, sink=sink)
+    service = CoordinatorService(coord_cfg, secret, host=bind_host, port=bind_port, sink=sink)
 
     async def serve() -> None:
         loop_box.append(asyncio.get_running_loop())
@@ -611,23 +659,56 @@ def _launch_local(job: TrainJob, c: TrainerConfig) -> TrainerHandle:
     if isinstance(got, BaseException):
         raise FlodlError(f"the coordinator failed to start: {got}") from got
     port = got
+    if not all_local:
+        logger.warning(
+            "coordinator listening on %s:%d for ranks on other hosts: traffic is authenticated "
+            "(HMAC) but not encrypted; tunnel it across untrusted networks",
+            bind_host,
+            port,
+        )
+    slots = cluster.ranks()
+    per_worker = {
+        i: sum(1 for s in slots if s.worker_index == i) for i in range(len(cluster.workers))
+    }
     cores = os.cpu_count() or 1
-    threads = max(1, cores // world) if c.device == "cpu" else 1
-    procs: list[subprocess.Popen[bytes]] = []
-    base_env = {
-        **os.environ,
-        ENV_COORD: f"127.0.0.1:{port}",
+    prefix = os.environ.get(ENV_PREFIX_OUTPUT) == "1"
+    flodl_env = {
+        ENV_COORD: f"{bind_host}:{port}",
         ENV_WORLD: str(world),
         ENV_RUN_ID: coord_cfg.run_id,
-        ENV_SECRET: secret.hex(),
         ENV_LAUNCHED: "1",
         ENV_FINAL_DIR: str(run_dir),
-        ENV_THREADS: str(threads),
         ENV_STEM: c.save_path or str(run_dir / "run"),
     }
-    for rank in range(world):
-        env = {**base_env, ENV_RANK: str(rank), ENV_DEVICE: _device_for(c.device, rank)}
-        procs.append(subprocess.Popen(_child_argv(), env=env))
+    inherited = {k: v for k, v in os.environ.items() if k != CLUSTER_ENV_VAR}
+    procs: list[subprocess.Popen[bytes]] = []
+    pumps: list[threading.Thread] = []
+    for slot in slots:
+        worker = cluster.workers[slot.worker_index]
+        threads = max(1, cores // per_worker[slot.worker_index]) if slot.device == "cpu" else 1
+        rank_env = {
+            **cluster.worker_env(slot.worker_index),
+            **flodl_env,
+            ENV_RANK: str(slot.rank),
+            ENV_DEVICE: slot.device,
+            ENV_THREADS: str(threads),
+        }
+        pipe = subprocess.PIPE if prefix else None
+        if worker.is_local(local_names):
+            env = {**inherited, **rank_env, ENV_SECRET: secret.hex()}
+            proc = subprocess.Popen(_child_argv(), env=env, stdout=pipe, stderr=pipe)
+        else:
+            from flodl.launch.ssh import spawn_ssh
+
+            proc = spawn_ssh(worker, _child_argv(), rank_env, secret, stdout=pipe, stderr=pipe)
+        procs.append(proc)
+        if prefix:
+            for stream, sink_file in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                pump = threading.Thread(
+                    target=_pump, args=(stream, sink_file, f"[rank {slot.rank}] "), daemon=True
+                )
+                pump.start()
+                pumps.append(pump)
 
     def kill_all() -> None:
         for p in procs:
@@ -662,6 +743,8 @@ def _launch_local(job: TrainJob, c: TrainerConfig) -> TrainerHandle:
             for t in watchers:
                 t.join(timeout=30.0 * scale + 10.0)
             kill_all()
+            for pump in pumps:
+                pump.join(timeout=5.0)
             over = over_box[0] if over_box else None
             codes = [p.returncode for p in procs]
             state = _load_final(run_dir, codes)
@@ -698,15 +781,19 @@ def _launch_local(job: TrainJob, c: TrainerConfig) -> TrainerHandle:
     return handle
 
 
+def _pump(stream: Any, out: Any, prefix: str) -> None:
+    """Copy a child's output line by line, each line prefixed with its rank."""
+    try:
+        for raw in iter(stream.readline, b""):
+            out.write(prefix + raw.decode(errors="replace"))
+            out.flush()
+    finally:
+        stream.close()
+
+
 def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
     for task in asyncio.all_tasks(loop):
         task.cancel()
-
-
-def _device_for(device: str, rank: int) -> str:
-    if device == "cpu":
-        return "cpu"
-    return f"cuda:{rank}" if device == "cuda" else device
 
 
 def _load_final(run_dir: Path, codes: list[int | None]) -> TrainedState | None:

@@ -84,6 +84,7 @@ RESERVED_ENV_KEYS: frozenset[str] = frozenset(
         "FLODL_COORD",
         "FLODL_SECRET",
         "FLODL_SECRET_FILE",
+        "FLODL_SECRET_STDIN",
         "FLODL_RUN_ID",
     }
 )

@@ -123,8 +123,11 @@ def test_sigint_to_the_launcher_stops_every_child() -> None:
     )
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()  # the first epoch's metrics: training is under way
-        assert line.startswith("epoch 0"), line
+        # wait for the first epoch's metrics: training is under way (ranks print a hello first)
+        lines = [proc.stdout.readline() for _ in range(1)]
+        while not lines[-1].startswith("epoch 0") and lines[-1] and len(lines) < 50:
+            lines.append(proc.stdout.readline())
+        assert lines[-1].startswith("epoch 0"), lines
         assert len(processes_with(tag)) == 4  # the launcher and its 3 ranks
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)

@@ -25,6 +25,7 @@ def main() -> None:
     p.add_argument("--crash-rank", type=int, default=-1)
     p.add_argument("--crash-step", type=int, default=0)
     args = p.parse_args()
+    print(f"process rank={os.environ.get('FLODL_RANK', 'launcher')}", flush=True)
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.samples, 16, generator=g)

@@ -1,0 +1,71 @@
+"""``flodl launch --cluster fdl.cluster.yml -- python train.py``: two "hosts" that are this
+machine (named in FLODL_LOCAL_HOSTS, so reached by local exec), three ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "trainer_main.py"
+REPO = HERE.parents[1]
+
+TWO_HOSTS = """
+cluster:
+  controller: {host: 127.0.0.1, port: 0}
+  workers:
+    - host: host-a
+      devices: [cpu]
+    - host: host-b
+      devices: [cpu, cpu]
+      env: {FLODL_TEST_MARK: on-host-b}
+"""
+
+
+def launch(yml: Path, *cmd: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FLODL_LOCAL_HOSTS": "host-a,host-b"}
+    return subprocess.run(
+        [sys.executable, "-m", "flodl", "launch", "--cluster", str(yml), "--", *cmd],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+        cwd=REPO,
+        env=env,
+    )
+
+
+@pytest.mark.timeout(160)
+def test_launch_a_two_host_cluster_by_local_exec(tmp_path: Path) -> None:
+    yml = tmp_path / "fdl.cluster.yml"
+    yml.write_text(TWO_HOSTS)
+    tag = f"flodl-test-{uuid.uuid4().hex}"
+    out = launch(yml, sys.executable, str(SCRIPT), "--tag", tag, "--ranks", "1", "--epochs", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "DONE params=4 world=3" in out.stdout
+    for rank in range(3):  # every rank's output arrives prefixed with its rank
+        assert f"[rank {rank}] process rank={rank}" in out.stdout
+
+
+def test_launch_refuses_a_bad_cluster_file_naming_the_problem(tmp_path: Path) -> None:
+    yml = tmp_path / "fdl.cluster.yml"
+    yml.write_text("cluster:\n  workers:\n    - host: a\n      devices: [cpu]\n      ranks: [0]\n")
+    out = launch(yml, sys.executable, "-c", "print('never runs')")
+    assert out.returncode == 2
+    assert "ranks are assigned by worker order" in out.stderr
+    assert "never runs" not in out.stdout
+
+
+def test_launch_without_a_command_is_a_usage_error(tmp_path: Path) -> None:
+    yml = tmp_path / "fdl.cluster.yml"
+    yml.write_text(TWO_HOSTS)
+    out = launch(yml)
+    assert out.returncode == 2
+    assert "give the command to run" in out.stderr
