@@ -723,6 +723,18 @@ def _launch(job: TrainJob, c: TrainerConfig, cluster: Cluster) -> TrainerHandle:
                 p.wait()
 
     atexit.register(kill_all)
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM would end the launcher without atexit hooks and orphan the ranks: stop them
+        # first, then exit as a SIGTERM'd process would.
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            kill_all()
+            if callable(previous):
+                previous(signum, frame)
+            raise SystemExit(128 + signum)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
 
     def watch(rank: int, proc: subprocess.Popen[bytes]) -> None:
         code = proc.wait()

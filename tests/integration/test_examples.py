@@ -49,3 +49,35 @@ def test_standalone_coordinator_example() -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "trained 4 parameter tensors with 2 ranks" in out.stdout
+
+
+@pytest.mark.timeout(160)
+def test_cluster_file_example_with_flodl_launch() -> None:
+    import os
+
+    env = {**os.environ, "FLODL_LOCAL_HOSTS": "node-a,node-b"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flodl",
+            "launch",
+            "--cluster",
+            "examples/fdl.cluster.yml",
+            "--",
+            sys.executable,
+            "examples/local_ranks.py",
+            "--ranks",
+            "1",
+            "--epochs",
+            "1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "done: 4 parameter tensors, world 3" in out.stdout

@@ -112,7 +112,8 @@ def test_a_crashing_rank_is_survived_and_leaves_no_process() -> None:
 
 
 @pytest.mark.timeout(150)
-def test_sigint_to_the_launcher_stops_every_child() -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_launcher_stops_every_child(sig: signal.Signals) -> None:
     tag = f"flodl-test-{uuid.uuid4().hex}"
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--tag", tag, "--epochs", "200", "--samples", "20000"],
@@ -129,7 +130,7 @@ def test_sigint_to_the_launcher_stops_every_child() -> None:
             lines.append(proc.stdout.readline())
         assert lines[-1].startswith("epoch 0"), lines
         assert len(processes_with(tag)) == 4  # the launcher and its 3 ranks
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         proc.wait(timeout=30)
         deadline = time.perf_counter() + 15
         while processes_with(tag) and time.perf_counter() < deadline:
