@@ -71,8 +71,10 @@ import torch
 
 from flodl.errors import FrameError, LocalProtocolError
 from flodl.wire.tensors import (
+    DATA_HANDSHAKE_TIMEOUT_S,
     DEFAULT_MAX_FRAME_BYTES,
     HELLO_BYTES,
+    INLINE_TAG_BYTES,
     FrameHeader,
     TensorKind,
     TensorLayout,
@@ -90,13 +92,9 @@ __all__ = ["ReduceServer", "HANDSHAKE_TIMEOUT_S", "READ_TIMEOUT_S"]
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT_S = 10.0
-"""How long a new connection may take to send its hello (flodl-spec §7.4)."""
+HANDSHAKE_TIMEOUT_S = DATA_HANDSHAKE_TIMEOUT_S
 READ_TIMEOUT_S = 120.0
 """Default per-read deadline inside a frame, and per-send deadline (``REDUCE_READ_DEADLINE``)."""
-_INLINE_TAG_BYTES = 1 << 20
-"""Consensus frames with fewer payload bytes are tagged before sending starts (not worth a
-hand-off); larger ones are tagged by the worker while the connection threads send them."""
 _EXTRA_CONNECTIONS = 8
 """Connections allowed beyond one per rank and one reconnect each (handshakes in flight)."""
 
@@ -764,7 +762,7 @@ class ReduceServer:
                     outgoing.extend(pair)
                 frames[rank] = variants[key]
         for out in outgoing:
-            if sum(p.nbytes for p in out.payloads) < _INLINE_TAG_BYTES:
+            if sum(p.nbytes for p in out.payloads) < INLINE_TAG_BYTES:
                 out.tag = frame_tag(self.secret, out.head, out.payloads)
         with self._cond:
             if self._closing:

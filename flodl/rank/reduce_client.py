@@ -33,7 +33,9 @@ import torch
 
 from flodl.errors import CoordinatorLost, FrameError, LocalProtocolError
 from flodl.wire.tensors import (
+    DATA_HANDSHAKE_TIMEOUT_S,
     HELLO_BYTES,
+    INLINE_TAG_BYTES,
     FramePrefix,
     TensorKind,
     check_data_ack,
@@ -52,10 +54,7 @@ logger = logging.getLogger(__name__)
 
 CONNECT_RETRY_S = 0.5
 """Pause between connection attempts (flodl-spec §7.6: 60 attempts x 500 ms)."""
-HANDSHAKE_TIMEOUT_S = 10.0
-"""Deadline for the server's answer to the hello."""
-_INLINE_TAG_BYTES = 1 << 20
-"""Frames with fewer payload bytes compute their tag before sending (no thread hand-off)."""
+HANDSHAKE_TIMEOUT_S = DATA_HANDSHAKE_TIMEOUT_S
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
@@ -321,7 +320,7 @@ class ReduceClient:
         """Send both frames; large frames are authenticated on the helper thread meanwhile."""
         tags: list[Future[bytes] | bytes] = []
         for head, payloads in frames:
-            if sum(p.nbytes for p in payloads) < _INLINE_TAG_BYTES:
+            if sum(p.nbytes for p in payloads) < INLINE_TAG_BYTES:
                 tags.append(frame_tag(self.secret, head, payloads))
             else:
                 tags.append(tagger.submit(frame_tag, self.secret, head, payloads))

@@ -79,6 +79,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
 __all__ = [
+    "DATA_HANDSHAKE_TIMEOUT_S",
+    "INLINE_TAG_BYTES",
     "MAGIC",
     "VERSION",
     "HEADER_BYTES",
@@ -128,6 +130,12 @@ TAG_BYTES = 16
 """Length of the truncated HMAC-SHA256 auth tag that ends every frame."""
 MAX_TENSORS = 65_536
 MAX_NDIM = 8
+DATA_HANDSHAKE_TIMEOUT_S = 10.0
+"""How long either side of the data channel waits for the other's handshake (spec §7.4)."""
+INLINE_TAG_BYTES = 1 << 20
+"""Frames with fewer payload bytes compute their tag before sending; larger ones overlap the
+tag computation with sending the payload (the tag goes last)."""
+
 MIN_FRAME_CEILING = 64 * 1024 * 1024
 """Floor of :func:`frame_ceiling` (64 MiB)."""
 DEFAULT_MAX_FRAME_BYTES = 1 << 30

@@ -3,27 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from fakeclock import FakeClock
 
 from flodl.config import DEFAULT_HEARTBEAT_TIMEOUT_S, MaxFailure
 from flodl.coord.liveness import Liveness, RankState, unrecoverable_reason
 
 TIMEOUT = DEFAULT_HEARTBEAT_TIMEOUT_S  # 30 s, the production default
-
-
-class FakeClock:
-    """Monotonic virtual time: moves forward only, never sleeps."""
-
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def advance(self, dt: float) -> None:
-        if dt < 0:
-            raise ValueError(f"a monotonic clock cannot go back by {-dt} s")
-        self.now += dt
-
-    def advance_to(self, t: float) -> None:
-        self.advance(t - self.now)
-        self.now = t  # land exactly on t (no float drift at deadline boundaries)
 
 
 def joined(world_size: int = 3, at: float = 0.0) -> Liveness:

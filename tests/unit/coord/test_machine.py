@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+from fakeclock import FakeClock
 
 from flodl.config import CoordConfig, ElCheConfig, MaxFailure, validated
 from flodl.coord.chunks import BatchRange
@@ -61,22 +62,6 @@ from flodl.wire.frames import (
 
 SIG = "a" * 64
 BS = 32
-
-
-class FakeClock:
-    """Monotonic virtual time: moves forward only, never sleeps."""
-
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def advance(self, dt: float) -> None:
-        if dt < 0:
-            raise ValueError(f"a monotonic clock cannot go back by {-dt} s")
-        self.now += dt
-
-    def advance_to(self, t: float) -> None:
-        self.advance(t - self.now)
-        self.now = t  # land exactly on t (no float drift at deadline boundaries)
 
 
 def make_config(mode: str = "cpu_cadence", world_size: int = 2, dataset_len: int = 640, **kw: Any):
