@@ -15,7 +15,8 @@ run:
 * ``gloo``: ``world`` processes in one ``init_process_group("gloo")`` (TCPStore on 127.0.0.1)
   timing ``all_reduce`` + ``div_`` of one flat tensor of the same size (the best case for Gloo,
   as a DDP bucket), slowest rank, best of ``--reps``.
-* ``memcpy``: ``dst.copy_(src)`` of the same bytes; ``hmac``: HMAC-SHA256 of the same bytes on
+* ``memcpy``: ``dst.copy_(src)`` of the same bytes; ``mac``: the frame MAC
+  (:func:`~flodl.wire.tensors.frame_tag`: key derivation, then Poly1305) of the same bytes on
   one core; ``fold``: the server's sum and division for that world (``torch.add`` + ``div_``).
 
 At world 2 every case also runs as ``tag-first``: the ablation where client and server tag a
@@ -25,13 +26,13 @@ computes the tag that ends the frame.
 
 Ratios are CPU round / Gloo (targets at world 2, 64 MiB: f32 <= 1.2, bf16 <= 0.8). ``wire GB/s``
 is bytes on the wire per round (uplink and downlink, every rank) per second, next to memcpy.
-The HMAC breakdown: every byte is authenticated ``3W + 1`` times per round (each rank's upload
+The MAC breakdown: every byte is authenticated ``3W + 1`` times per round (each rank's upload
 by the rank and the server, the consensus once by the server and once by each rank), all on
 CPUs shared by the ranks, the server and Gloo alike; ``mac floor`` = that work at the measured
-single-core HMAC rate divided by the cores available, the least time any round of this format
+single-core MAC rate divided by the cores available, the least time any round of this format
 can take on this machine. ``cpu ms`` is the CPU time (user + system) of the server and every
 rank process during the best round, ``cores busy`` that over the round's wall time, ``mac/cpu``
-the share of it the HMAC passes alone account for, ``sys/cpu`` the kernel's share (loopback
+the share of it the MAC passes alone account for, ``sys/cpu`` the kernel's share (loopback
 TCP copies every byte twice).
 """
 
@@ -40,7 +41,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import hmac
 import multiprocessing as mp
 import os
 import queue
@@ -70,8 +70,9 @@ import flodl.coord.reduce as reduce_server  # noqa: E402
 from flodl.coord.reduce import ReduceServer  # noqa: E402
 from flodl.rank import reduce_client  # noqa: E402
 from flodl.rank.reduce_client import ReduceClient  # noqa: E402
+from flodl.wire.tensors import frame_tag  # noqa: E402
 
-STREAM_TAGS = (reduce_server._INLINE_TAG_BYTES, reduce_client._INLINE_TAG_BYTES)
+STREAM_TAGS = (reduce_server.INLINE_TAG_BYTES, reduce_client.INLINE_TAG_BYTES)
 NEVER = 1 << 62  # an inline-tag threshold no frame reaches: tag first, then send
 
 SECRET = b"bench-reduce-secret-0123456789ab"
@@ -108,7 +109,7 @@ def _cpu_rank(rank: int, world: int, jobs: Any, results: Any, barrier: Any) -> N
     torch.set_num_threads(_threads(world))
     while (job := jobs.get()) is not None:
         port, mib, bf16, reps, stream = job
-        reduce_client._INLINE_TAG_BYTES = STREAM_TAGS[1] if stream else NEVER
+        reduce_client.INLINE_TAG_BYTES = STREAM_TAGS[1] if stream else NEVER
         params, buffers = _model(mib, rank)
         client = ReduceClient("127.0.0.1", port, SECRET, rank, world, bf16_wire=bf16)
         client.connect(30.0)
@@ -170,7 +171,7 @@ def measure_cpu(
     best: dict[tuple[int, bool, bool], tuple[float, float, float]] = {}
     try:
         for mib, bf16, stream in cases:
-            reduce_server._INLINE_TAG_BYTES = STREAM_TAGS[0] if stream else NEVER
+            reduce_server.INLINE_TAG_BYTES = STREAM_TAGS[0] if stream else NEVER
             done: queue.SimpleQueue[int] = queue.SimpleQueue()
             server = ReduceServer(
                 SECRET,
@@ -202,7 +203,7 @@ def measure_cpu(
                 best[(mib, bf16, stream)] = min(rounds)
             finally:
                 server.close()
-                reduce_server._INLINE_TAG_BYTES = STREAM_TAGS[0]
+                reduce_server.INLINE_TAG_BYTES = STREAM_TAGS[0]
             print(
                 f"  world {world} {mib:4d} MiB {'bf16' if bf16 else 'f32 '}"
                 f"{'' if stream else ' tag-first'}: {best[(mib, bf16, stream)][0] * 1e3:8.1f} ms",
@@ -262,8 +263,8 @@ def measure_local(sizes: list[int], worlds: list[int], reps: int) -> dict[str, A
         for world in worlds:
             fold[(mib, world)] = best_of(functools.partial(_fold, dst, [src] * world), reps)
     data = os.urandom(64 * MIB)
-    hmac_rate = len(data) / best_of(lambda: hmac.new(SECRET, data, "sha256").digest(), reps)
-    return {"memcpy": memcpy, "fold": fold, "hmac": hmac_rate}
+    mac_rate = len(data) / best_of(lambda: frame_tag(SECRET, b"", [data]), reps)
+    return {"memcpy": memcpy, "fold": fold, "mac": mac_rate}
 
 
 def wire_bytes(mib: int, world: int, bf16: bool) -> int:
@@ -297,7 +298,7 @@ def main() -> None:
         for mib, bf16, stream in sorted(cases, key=lambda c: (c[0], c[1], not c[2])):
             seconds, user, system = cpu[(mib, bf16, stream)]
             nbytes = wire_bytes(mib, world, bf16)
-            mac_cpu = (3 * world + 1) * nbytes / (2 * world) / local["hmac"]
+            mac_cpu = (3 * world + 1) * nbytes / (2 * world) / local["mac"]
             mac_floor = mac_cpu / (cores or 1)
             ratio = seconds / gloo[mib]
             target = TARGET_BF16 if bf16 else TARGET_F32
@@ -315,7 +316,7 @@ def main() -> None:
                 "wire_bytes": nbytes,
                 "wire_gbps": nbytes / seconds / 1e9,
                 "memcpy_gbps": local["memcpy"][mib] / 1e9,
-                "hmac_gbps_1core": local["hmac"] / 1e9,
+                "mac_gbps_1core": local["mac"] / 1e9,
                 "mac_floor_ms": mac_floor * 1e3,
                 "cpu_ms": (user + system) * 1e3,
                 "cpu_user_ms": user * 1e3,
@@ -343,7 +344,7 @@ def main() -> None:
             )
     print_table(
         f"CPU averaging round vs Gloo all_reduce (best of {reps}; {cores} cores; "
-        f"hmac {local['hmac'] / 1e9:.2f} GB/s on one core)",
+        f"mac {local['mac'] / 1e9:.2f} GB/s on one core)",
         [
             "case",
             "round ms",
@@ -381,7 +382,7 @@ def main() -> None:
             "machine": machine_info(),
             "torch": torch.__version__,
             "python": sys.version.split()[0],
-            "hmac_gbps_1core": local["hmac"] / 1e9,
+            "mac_gbps_1core": local["mac"] / 1e9,
             "rows": records,
         },
     )

@@ -71,6 +71,7 @@ import torch
 
 from flodl.errors import FrameError, LocalProtocolError
 from flodl.wire.tensors import (
+    CONSENSUS_SENDER,
     DATA_HANDSHAKE_TIMEOUT_S,
     DEFAULT_MAX_FRAME_BYTES,
     HELLO_BYTES,
@@ -86,6 +87,7 @@ from flodl.wire.tensors import (
     read_frame_payloads,
     read_frame_prefix,
     send_buffers,
+    upload_sender,
 )
 
 __all__ = ["ReduceServer", "HANDSHAKE_TIMEOUT_S", "READ_TIMEOUT_S"]
@@ -645,6 +647,7 @@ class ReduceServer:
             secret=self.secret,
             max_frame_bytes=self.max_frame_bytes,
             table_nbytes=None if model is None else model.table_nbytes,
+            sender=upload_sender(conn.rank),
         )
         header = prefix.header
         if header.kind is not kind:
@@ -763,7 +766,7 @@ class ReduceServer:
                 frames[rank] = variants[key]
         for out in outgoing:
             if sum(p.nbytes for p in out.payloads) < INLINE_TAG_BYTES:
-                out.tag = frame_tag(self.secret, out.head, out.payloads)
+                out.tag = frame_tag(self.secret, out.head, out.payloads, sender=CONSENSUS_SENDER)
         with self._cond:
             if self._closing:
                 return
@@ -776,7 +779,7 @@ class ReduceServer:
             rnd.consensus = self._inflight = consensus
             self._cond.notify_all()
         for out in [o for o in outgoing if o.tag is None]:  # sent meanwhile
-            tag = frame_tag(self.secret, out.head, out.payloads)
+            tag = frame_tag(self.secret, out.head, out.payloads, sender=CONSENSUS_SENDER)
             with self._cond:
                 out.tag = tag
                 self._cond.notify_all()

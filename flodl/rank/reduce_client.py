@@ -33,6 +33,7 @@ import torch
 
 from flodl.errors import CoordinatorLost, FrameError, LocalProtocolError
 from flodl.wire.tensors import (
+    CONSENSUS_SENDER,
     DATA_HANDSHAKE_TIMEOUT_S,
     HELLO_BYTES,
     INLINE_TAG_BYTES,
@@ -46,6 +47,7 @@ from flodl.wire.tensors import (
     read_frame_payloads,
     read_frame_prefix,
     send_buffers,
+    upload_sender,
 )
 
 __all__ = ["ReduceClient", "CONNECT_RETRY_S", "HANDSHAKE_TIMEOUT_S"]
@@ -319,11 +321,12 @@ class ReduceClient:
     ) -> None:
         """Send both frames; large frames are authenticated on the helper thread meanwhile."""
         tags: list[Future[bytes] | bytes] = []
+        sender = upload_sender(self.rank)
         for head, payloads in frames:
             if sum(p.nbytes for p in payloads) < INLINE_TAG_BYTES:
-                tags.append(frame_tag(self.secret, head, payloads))
+                tags.append(frame_tag(self.secret, head, payloads, sender=sender))
             else:
-                tags.append(tagger.submit(frame_tag, self.secret, head, payloads))
+                tags.append(tagger.submit(frame_tag, self.secret, head, payloads, sender=sender))
         try:
             for (head, payloads), tag in zip(frames, tags, strict=True):
                 send_buffers(sock, [head, *payloads])
@@ -348,6 +351,7 @@ class ReduceClient:
             secret=self.secret,
             max_frame_bytes=self._max_frame_bytes,
             table_nbytes=self._tables.get(kind),
+            sender=CONSENSUS_SENDER,
         )
         header = prefix.header
         if header.kind is not kind:

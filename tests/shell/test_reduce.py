@@ -24,6 +24,7 @@ from flodl.coord.reduce import ReduceServer
 from flodl.errors import CoordinatorLost, FrameError
 from flodl.rank.reduce_client import ReduceClient
 from flodl.wire.tensors import (
+    CONSENSUS_SENDER,
     HELLO_BYTES,
     TensorKind,
     check_data_ack,
@@ -31,6 +32,7 @@ from flodl.wire.tensors import (
     encode_data_hello,
     encode_tensor_frame,
     send_buffers,
+    upload_sender,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -490,6 +492,28 @@ def frames(cycle: int, tensors: list[torch.Tensor], weight: float = 1.0) -> list
             ),
             "bad frame tag",
         ),
+        (
+            lambda: encode_tensor_frame(
+                model(2),
+                kind=TensorKind.MODEL_PARAMS,
+                weight=1.0,
+                round=1,
+                secret=SECRET,
+                sender=upload_sender(0),
+            ),
+            "rank 0's upload replayed on rank 2's connection",
+        ),
+        (
+            lambda: encode_tensor_frame(
+                model(2),
+                kind=TensorKind.MODEL_PARAMS,
+                weight=1.0,
+                round=1,
+                secret=SECRET,
+                sender=CONSENSUS_SENDER,
+            ),
+            "a consensus frame reflected back as an upload",
+        ),
     ],
 )
 def test_bad_upload_closes_only_that_connection(make: Callable[[], list[Any]], why: str) -> None:
@@ -507,6 +531,31 @@ def test_bad_upload_closes_only_that_connection(make: Callable[[], list[Any]], w
         workers = [Worker(lambda r=r: cs[r].reduce(1, params[r], 1.0, [], True)) for r in range(2)]
         assert [w.result() for w in workers] == [(2.0, 2.0)] * 2
         assert done.wait(2) == [(0, (0, 1), 2.0), (1, (0, 1), 2.0)]
+
+
+def test_raw_upload_tagged_as_its_own_rank_is_accepted() -> None:
+    """The control of the replay cases above: the same frames, keyed to rank 2, go through."""
+    params = [model(r) for r in range(2)]
+    with serving(3) as (server, done), clients(server, [0, 1]) as cs:
+        server.open_round(0, [0, 1])
+        workers = [Worker(lambda r=r: cs[r].reduce(0, params[r], 1.0, [], True)) for r in range(2)]
+        assert [w.result() for w in workers] == [(2.0, 2.0)] * 2
+        server.open_round(1, [0, 1, 2])
+        raw = raw_rank(server, 2)
+        with raw:
+            for kind, tensors in (
+                (TensorKind.MODEL_PARAMS, model(2)),
+                (TensorKind.MODEL_BUFFERS, []),
+            ):
+                frame = encode_tensor_frame(
+                    tensors, kind=kind, weight=1.0, round=1, secret=SECRET, sender=upload_sender(2)
+                )
+                send_buffers(raw, frame)
+            workers = [
+                Worker(lambda r=r: cs[r].reduce(1, params[r], 1.0, [], True)) for r in range(2)
+            ]
+            assert [w.result() for w in workers] == [(3.0, 3.0)] * 2
+            assert done.wait(2) == [(0, (0, 1), 2.0), (1, (0, 1, 2), 3.0)]
 
 
 def test_stalled_upload_times_out_and_closes() -> None:

@@ -10,12 +10,15 @@ import threading
 
 import pytest
 import torch
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flodl.errors import FrameError, LocalProtocolError
 from flodl.wire.tensors import (
+    CONSENSUS_SENDER,
     HEADER_BYTES,
+    MAC_KEY_LABEL,
     MAGIC,
     MAX_TENSORS,
     MIN_FRAME_CEILING,
@@ -26,13 +29,19 @@ from flodl.wire.tensors import (
     TensorLayout,
     WireDtype,
     decode_tensor_frame,
+    encode_frame_parts,
     encode_tensor_frame,
     entry_nbytes,
     frame_ceiling,
+    frame_key,
     frame_nbytes,
+    frame_tag,
     parse_header,
+    read_frame_payloads,
+    read_frame_prefix,
     read_tensor_frame,
     send_buffers,
+    upload_sender,
 )
 
 SECRET = b"s" * 32
@@ -51,10 +60,23 @@ def _encode(tensors: list[torch.Tensor], **kwargs: object) -> bytes:
     return b"".join(encode_tensor_frame(tensors, **params))  # type: ignore[arg-type]
 
 
-def _retag(frame: bytes | bytearray, secret: bytes = SECRET) -> bytes:
+def _head_nbytes(body: bytes) -> int:
+    """Size of the header and table at the start of ``body`` (clipped to ``body``)."""
+    size = HEADER_BYTES
+    if len(body) >= HEADER_BYTES:
+        for _ in range(_HEADER.unpack_from(body)[-1]):
+            if size + 1 >= len(body):
+                break
+            size += entry_nbytes(body[size + 1])
+    return min(size, len(body))
+
+
+def _retag(frame: bytes | bytearray, secret: bytes = SECRET, sender: bytes = b"") -> bytes:
     """Recompute the tag so a deliberately malformed frame reaches the field checks."""
     body = bytes(frame[:-TAG_BYTES])
-    return body + hmac.new(secret, body, "sha256").digest()[:TAG_BYTES]
+    head = body[: _head_nbytes(body)]
+    key = hmac.new(secret, MAC_KEY_LABEL + head + sender, "sha256").digest()
+    return body + Poly1305.generate_tag(key, body)
 
 
 def _patch_header(frame: bytes, **fields: float) -> bytes:
@@ -512,3 +534,143 @@ def test_socket_eof_mid_frame_is_truncation() -> None:
         a.shutdown(socket.SHUT_WR)
         with pytest.raises(FrameError, match="truncated"):
             read_tensor_frame(b.recv_into, [torch.empty(1000)], secret=SECRET, max_frame_bytes=BIG)
+
+
+# ------------------------------------------------------------------ Poly1305 frame MAC (v2)
+
+
+def test_tag_is_poly1305_under_the_documented_one_time_key() -> None:
+    frame = _encode([torch.arange(6.0).view(2, 3)], sender=upload_sender(5))
+    body, tag = frame[:-TAG_BYTES], frame[-TAG_BYTES:]
+    head = body[: _head_nbytes(body)]
+    key = hmac.new(SECRET, b"flodl-tensor-frame-v2" + head + b"up\0\0\0\5", "sha256").digest()
+    assert frame_key(SECRET, head, upload_sender(5)) == key
+    assert tag == Poly1305.generate_tag(key, body)
+    assert _retag(frame, sender=upload_sender(5)) == frame
+
+
+def test_one_time_key_differs_per_round_kind_weight_table_and_sender() -> None:
+    def key(sender: bytes = CONSENSUS_SENDER, **kwargs: object) -> bytes:
+        params: dict[str, object] = {"kind": TensorKind.MODEL_PARAMS, "weight": 1.0, "round": 3}
+        params.update(kwargs)
+        tensors = params.pop("tensors", [torch.ones(4)])
+        head, _ = encode_frame_parts(tensors, **params)  # type: ignore[arg-type]
+        return frame_key(SECRET, head, sender)
+
+    keys = [
+        key(),
+        key(round=4),
+        key(kind=TensorKind.MODEL_BUFFERS),
+        key(kind=TensorKind.CONTROL),
+        key(weight=2.0),
+        key(tensors=[torch.ones(4, dtype=torch.bfloat16)]),  # the bf16 consensus variant
+        key(tensors=[torch.ones(5)]),
+        key(sender=upload_sender(0)),
+        key(sender=upload_sender(1)),
+        key(sender=b""),
+    ]
+    assert len(set(keys)) == len(keys)
+    assert all(len(k) == 32 for k in keys)
+    assert key() == key()  # one consensus message, sent to every rank: one key
+    assert frame_key(b"t" * 32, b"h", b"") != frame_key(SECRET, b"h", b"")
+
+
+def test_frame_tag_matches_encode_and_differs_per_sender() -> None:
+    t = [torch.randn(3, 4)]
+    head, payloads = encode_frame_parts(t, kind=0, weight=1.0, round=9)
+    up0 = frame_tag(SECRET, head, payloads, sender=upload_sender(0))
+    frame = _encode(t, kind=0, weight=1.0, round=9, sender=upload_sender(0))
+    assert frame[-TAG_BYTES:] == up0
+    assert up0 != frame_tag(SECRET, head, payloads, sender=upload_sender(1))
+    assert up0 != frame_tag(SECRET, head, payloads, sender=CONSENSUS_SENDER)
+
+
+@pytest.mark.parametrize("field", ["round", "kind", "weight"])
+def test_frame_replayed_under_another_header_fails_its_tag(field: str) -> None:
+    frame = _encode([torch.ones(3)], round=7, sender=CONSENSUS_SENDER)
+    decode_tensor_frame(
+        frame, [torch.empty(3)], secret=SECRET, max_frame_bytes=BIG, sender=CONSENSUS_SENDER
+    )
+    patch = {"round": 8, "kind": int(TensorKind.MODEL_BUFFERS), "weight": 2.0}[field]
+    replayed = bytearray(frame)
+    replayed[:HEADER_BYTES] = _patch_header(frame, **{field: patch})[:HEADER_BYTES]
+    with pytest.raises(FrameError, match="auth tag"):
+        decode_tensor_frame(
+            bytes(replayed),
+            [torch.empty(3)],
+            secret=SECRET,
+            max_frame_bytes=BIG,
+            sender=CONSENSUS_SENDER,
+        )
+
+
+def test_round_r_frame_replayed_as_round_r_prime_fails() -> None:
+    frame = _encode([torch.ones(3)], round=1, sender=upload_sender(2))
+    replayed = bytearray(frame)
+    struct.pack_into("!Q", replayed, HEADER_BYTES - 12, 2)  # the round field
+    assert parse_header(replayed).round == 2
+    with pytest.raises(FrameError, match="auth tag"):
+        decode_tensor_frame(
+            bytes(replayed),
+            [torch.empty(3)],
+            secret=SECRET,
+            max_frame_bytes=BIG,
+            sender=upload_sender(2),
+        )
+
+
+@pytest.mark.parametrize(
+    "sender", [b"", upload_sender(1), CONSENSUS_SENDER], ids=["none", "rank1", "down"]
+)
+def test_frame_from_another_sender_or_direction_fails(sender: bytes) -> None:
+    frame = _encode([torch.ones(3)], sender=upload_sender(0))
+    with pytest.raises(FrameError, match="auth tag"):
+        decode_tensor_frame(
+            frame, [torch.empty(3)], secret=SECRET, max_frame_bytes=BIG, sender=sender
+        )
+    decode_tensor_frame(
+        frame, [torch.empty(3)], secret=SECRET, max_frame_bytes=BIG, sender=upload_sender(0)
+    )
+
+
+@pytest.mark.parametrize("table_nbytes", [None, entry_nbytes(1)])
+def test_streaming_reader_checks_the_sender(table_nbytes: int | None) -> None:
+    frame = _encode([torch.arange(3.0)], sender=CONSENSUS_SENDER)
+    for sender, ok in ((CONSENSUS_SENDER, True), (upload_sender(0), False)):
+        reader = _ChunkReader(frame, 5)
+        prefix = read_frame_prefix(
+            reader.recv_into,
+            secret=SECRET,
+            max_frame_bytes=BIG,
+            table_nbytes=table_nbytes,
+            sender=sender,
+        )
+        out = [torch.empty(3)]
+        if ok:
+            read_frame_payloads(reader.recv_into, prefix, out)
+            assert torch.equal(out[0], torch.arange(3.0))
+        else:
+            with pytest.raises(FrameError, match="auth tag"):
+                read_frame_payloads(reader.recv_into, prefix, out)
+
+
+def test_version_1_frame_is_refused_with_a_clear_message() -> None:
+    assert VERSION == 2
+    # A version 1 frame: same layout, HMAC-SHA256 tag truncated to 16 bytes.
+    body = _patch_header(_encode([torch.ones(2)]), version=1)[:-TAG_BYTES]
+    v1 = body + hmac.new(SECRET, body, "sha256").digest()[:TAG_BYTES]
+    with pytest.raises(FrameError, match=r"unsupported tensor frame version 1 .*speaks 2"):
+        decode_tensor_frame(v1, [torch.empty(2)], secret=SECRET, max_frame_bytes=BIG)
+    with pytest.raises(FrameError, match="Poly1305"):
+        parse_header(v1)
+
+
+class _ChunkReader:
+    def __init__(self, data: bytes, chunk: int) -> None:
+        self._data, self._pos, self._chunk = data, 0, chunk
+
+    def recv_into(self, view: memoryview) -> int:
+        n = min(view.nbytes, self._chunk, len(self._data) - self._pos)
+        view[:n] = self._data[self._pos : self._pos + n]
+        self._pos += n
+        return n
