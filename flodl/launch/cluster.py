@@ -37,6 +37,7 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -217,6 +218,10 @@ def _check_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+EnvMap = Annotated[dict[str, str], BeforeValidator(_coerce_env), AfterValidator(_check_env)]
+"""A user ``env`` map (worker or cluster level): numbers coerced to strings, then checked."""
+
+
 def _host_identity(host: str, local_names: AbstractSet[str] = frozenset()) -> str:
     name = host.lower()
     if name in LOOPBACK_NAMES or name in {n.lower() for n in local_names}:
@@ -262,7 +267,7 @@ class Worker(_Model):
     path: _Text | None = None
     """Working directory on this host (the checkout); ``None``: the launcher's."""
     ssh: SshSettings | None = None
-    env: dict[str, str] = Field(default_factory=dict)
+    env: EnvMap = Field(default_factory=dict)
     """Extra environment for this host's rank children (over the cluster ``env``)."""
     nccl_socket_ifname: _Name | None = None
     """``NCCL_SOCKET_IFNAME`` for this host; required when CUDA ranks span hosts."""
@@ -280,16 +285,6 @@ class Worker(_Model):
     @classmethod
     def _devices(cls, value: Any) -> Any:
         return _normalize_devices(value)
-
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env_in(cls, value: Any) -> Any:
-        return _coerce_env(value)
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, value: dict[str, str]) -> dict[str, str]:
-        return _check_env(value)
 
     @model_validator(mode="after")
     def _one_backend(self) -> Self:
@@ -347,7 +342,7 @@ class Cluster(_Model):
 
     controller: Controller = Field(default_factory=Controller)
     workers: tuple[Worker, ...] = ()
-    env: dict[str, str] = Field(default_factory=dict)
+    env: EnvMap = Field(default_factory=dict)
     """Environment for every rank child (a worker's ``env`` overrides it)."""
 
     @model_validator(mode="before")
@@ -357,16 +352,6 @@ class Cluster(_Model):
         if isinstance(data, Mapping):
             return {k: v for k, v in data.items() if not (k in _NULLABLE and v is None)}
         return data
-
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env_in(cls, value: Any) -> Any:
-        return _coerce_env(value)
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, value: dict[str, str]) -> dict[str, str]:
-        return _check_env(value)
 
     @model_validator(mode="after")
     def _check(self) -> Self:
