@@ -43,12 +43,19 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flodl.config import CoordConfig, ElCheConfig, MaxFailure, validated
-from flodl.coord.chunks import epoch_batches, epoch_slice, index_space, permutation, pick_to_sample
+from flodl.coord.chunks import epoch_batches, epoch_slice, index_space, permutation
 from flodl.coord.effects import Alert, EpochDone, EvalDone, Record, RunOver, WriteMeta
 from flodl.data import BatchDataset, as_batch_dataset
 from flodl.errors import ConfigError, FlodlError
 from flodl.launch.cluster import CLUSTER_ENV_VAR, Cluster, ClusterBuilder
-from flodl.rank.runtime import RankSpec, TrainJob, record_scalar, run_rank
+from flodl.rank.runtime import (
+    RankSpec,
+    TrainJob,
+    fetch_batch,
+    optimizer_step,
+    record_scalar,
+    run_rank,
+)
 from flodl.rank.snapshot import TrainedState
 from flodl.wire.frames import EpochMetrics
 
@@ -390,36 +397,27 @@ def _train_single(job: TrainJob, c: TrainerConfig, handle: TrainerHandle) -> Tra
         perm = permutation(space, data_pass, job.seed)
         n_batches = epoch_batches(epoch, space, bs, job.epoch_splits)
         loss_sum = compute_ms = data_ms = 0.0
+        scalars: dict[str, list[float]] = {}
         for b in range(n_batches):
             t0 = time.perf_counter()
-            picks = perm[start + b * bs : start + (b + 1) * bs]
-            samples = [pick_to_sample(p, job.augment)[0] for p in picks]
-            batch = [t.to(device) for t in ds.get_batch(samples)]
+            batch = fetch_batch(job, perm[start + b * bs : start + (b + 1) * bs], device)
             t1 = time.perf_counter()
             if scheduler is not None:
                 for group in optim.param_groups:
                     group["lr"] = float(scheduler(step))
-            model.train()
-            optim.zero_grad(set_to_none=True)
-            loss = job.train_step(model, batch)
-            loss.backward()  # type: ignore[no-untyped-call]
-            if job.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_grad_norm)
-            optim.step()
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise FlodlError(f"non-finite loss {value} at step {step + 1}")
-            loss_sum += value
+            loss_sum += optimizer_step(job, model, optim, batch, scalars, step + 1)
             step += 1
             compute_ms += (time.perf_counter() - t1) * 1000.0
             data_ms += (t1 - t0) * 1000.0
         epoch_ms = (time.perf_counter() - started) * 1000.0
         busy = compute_ms + data_ms
+        means = {k: total / n for k, (total, n) in sorted(scalars.items()) if n}
         m = EpochMetrics(
             epoch=epoch,
             avg_loss=loss_sum / max(1, n_batches),
             epoch_ms=epoch_ms,
-            per_rank=[{}],
+            scalars=means,
+            per_rank=[means],
             per_rank_loss=[loss_sum / max(1, n_batches)],
             per_rank_throughput=[1000.0 * n_batches * bs / busy if busy > 0 else 0.0],
             per_rank_batch_share=[1.0],

@@ -30,7 +30,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,6 +177,47 @@ class _Stop(Exception):
     def __init__(self, save_reason: str | None) -> None:
         super().__init__(save_reason or "shutdown")
         self.save_reason = save_reason
+
+
+def fetch_batch(job: TrainJob, picks: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+    """The batch of these permutation picks, on ``device`` (augmented picks map to samples)."""
+    samples = [pick_to_sample(p, job.augment)[0] for p in picks]
+    return [t.to(device, non_blocking=True) for t in job.dataset.get_batch(samples)]
+
+
+def optimizer_step(
+    job: TrainJob,
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer,
+    batch: list[torch.Tensor],
+    scalars: dict[str, list[float]],
+    step: int,
+) -> float:
+    """One framework-owned step on every tier: ``train_step`` (forward + loss, with
+    ``record_scalar`` collecting into ``scalars``), backward, ``max_grad_norm`` clipping, the
+    optimizer step. Returns the loss.
+
+    Raises:
+        FlodlError: ``train_step`` returned no scalar tensor, or the loss (of ``step``) is not
+            finite.
+    """
+    model.train()
+    optim.zero_grad(set_to_none=True)
+    token = _SCALARS.set(scalars)
+    try:
+        loss = job.train_step(model, batch)
+    finally:
+        _SCALARS.reset(token)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise FlodlError("train_step must return a scalar loss tensor")
+    loss.backward()  # type: ignore[no-untyped-call]
+    if job.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_grad_norm)
+    optim.step()
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        raise FlodlError(f"non-finite loss {value} at step {step}")
+    return value
 
 
 class _Rank:
@@ -399,32 +440,15 @@ class _Rank:
     def _train_one(self) -> None:
         job, bs = self.job, self.job.batch_size
         head = self.queue[0]
-        picks = head.picks[head.pos : head.pos + bs]
         t0 = time.perf_counter()
-        samples = [pick_to_sample(p, job.augment)[0] for p in picks]
-        batch = [t.to(self.device, non_blocking=True) for t in job.dataset.get_batch(samples)]
+        batch = fetch_batch(job, head.picks[head.pos : head.pos + bs], self.device)
         t1 = time.perf_counter()
         self._apply_lr()
-        self.model.train()
-        self.optim.zero_grad(set_to_none=True)
         scalars: dict[str, list[float]] = {}
-        token = _SCALARS.set(scalars)
-        try:
-            loss = job.train_step(self.model, batch)
-        finally:
-            _SCALARS.reset(token)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise FlodlError("train_step must return a scalar loss tensor")
-        loss.backward()  # type: ignore[no-untyped-call]
-        if job.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), job.max_grad_norm)
-        self.optim.step()
-        loss_v = float(loss.detach())
+        loss_v = optimizer_step(job, self.model, self.optim, batch, scalars, self.step + 1)
         if job.step_hook is not None:
             job.step_hook(self.spec.rank, self.step + 1)
         t2 = time.perf_counter()
-        if not math.isfinite(loss_v):
-            raise FlodlError(f"non-finite loss {loss_v} at step {self.step + 1}")
         self.step += 1
         self.window_steps += 1
         self.local_since_avg += 1

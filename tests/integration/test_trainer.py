@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flodl import ConfigError, ElCheConfig, EpochMetrics, Trainer, TrainerConfig
+from flodl import ConfigError, ElCheConfig, EpochMetrics, Trainer, TrainerConfig, record_scalar
 from flodl.data import TensorBatchDataset
 
 pytestmark = pytest.mark.integration
@@ -47,7 +47,9 @@ def optim(params: object) -> torch.optim.Optimizer:
 
 
 def step(m: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
-    return F.cross_entropy(m(batch[0]), batch[1])
+    loss = F.cross_entropy(m(batch[0]), batch[1])
+    record_scalar("batch_rows", float(batch[0].shape[0]))
+    return loss
 
 
 def processes_with(tag: str) -> list[str]:
@@ -84,6 +86,7 @@ def test_single_process_tier_trains_and_streams_metrics(caplog: pytest.LogCaptur
     assert [m.epoch for m in streamed] == [0, 1, 2]
     assert seen == [0, 1, 2]
     assert streamed[-1].avg_loss < 0.6 * streamed[0].avg_loss
+    assert streamed[0].scalars == {"batch_rows": 32.0}  # record_scalar works in process too
     assert "metrics_fn raised" in caplog.text
     fresh = model(torch.device("cpu"))
     state.load_into(fresh)
