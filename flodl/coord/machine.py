@@ -379,6 +379,11 @@ class Coordinator:
             return self.works[epoch].coverage_report()
         return self.coverage_log.get(epoch)
 
+    @property
+    def cohort_version(self) -> int:
+        """Bumped whenever ElChe's counts or the live set may have changed."""
+        return self._cohort_version
+
     def gate_open(self) -> bool:
         """Whether the incremental count gate says a cycle may start (for invariant checks
         against :func:`~flodl.coord.cycle.should_average`)."""

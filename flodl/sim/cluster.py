@@ -243,6 +243,7 @@ class SimCluster:
         self._uploads: dict[int, set[int]] = {}
         self._expected: dict[int, set[int]] = {}
         self._collective: dict[tuple[int, int], set[int]] = {}
+        self._counts_version = -1
         self.trace = SimTrace(mode=mode, seed=seed, samples=[0] * world_size)
         self._failures = sorted(failures, key=lambda f: (f.at_s, f.rank))
         for f in self._failures:
@@ -361,9 +362,14 @@ class SimCluster:
         self.trace.cycles = self.coord.sync_rounds
         if not self.trace.anchors or self.trace.anchors[-1] != self.coord.elche.anchor:
             self.trace.anchors.append(self.coord.elche.anchor)
-        counts = self.coord.elche.batch_counts
-        if not self.trace.batch_counts or self.trace.batch_counts[-1] != counts:
-            self.trace.batch_counts.append(counts)
+        # Counts only change when the coordinator's cohort does (finalize, death, new epoch):
+        # copying and comparing W counts after every event would make the simulator O(W²).
+        version = self.coord.cohort_version
+        if version != self._counts_version:
+            self._counts_version = version
+            counts = self.coord.elche.batch_counts
+            if not self.trace.batch_counts or self.trace.batch_counts[-1] != counts:
+                self.trace.batch_counts.append(counts)
 
     # ------------------------------------------------------------------ simulated ranks
     def _rank_frame(self, r: _SimRank, frame: Any) -> None:
