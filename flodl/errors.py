@@ -17,6 +17,7 @@ __all__ = [
     "CoordinatorLost",
     "CollectiveFailed",
     "ConfigError",
+    "CheckpointError",
 ]
 
 
@@ -66,3 +67,8 @@ class CollectiveFailed(FlodlError):
 
 class ConfigError(FlodlError, ValueError):
     """An invalid configuration value; the message names the field."""
+
+
+class CheckpointError(FlodlError):
+    """A checkpoint file is missing, corrupt, from a newer schema or from another run/model (or
+    could not be written); the message names the file and the problem."""

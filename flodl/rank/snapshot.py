@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
+
+from flodl.checkpoint import DEATH_SCHEMA_VERSION, write_death_record
 
 __all__ = [
     "TrainedState",
@@ -18,8 +16,6 @@ __all__ = [
     "write_death_record",
     "DEATH_SCHEMA_VERSION",
 ]
-
-DEATH_SCHEMA_VERSION = 1
 
 
 @dataclass
@@ -70,25 +66,3 @@ def float_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
     """Buffers that are averaged (floating point); integer ones such as
     ``num_batches_tracked`` are not."""
     return [b for b in model.buffers() if b.is_floating_point()]
-
-
-def write_death_record(
-    stem: str | os.PathLike[str], rank: int, world_size: int, error: str
-) -> Path | None:
-    """Best-effort ``<stem>.rank<N>.death.json``; returns the path or None if it failed."""
-    path = Path(f"{os.fspath(stem)}.rank{rank}.death.json")
-    record = {
-        "schema_version": DEATH_SCHEMA_VERSION,
-        "rank": rank,
-        "world_size": world_size,
-        "error": error[:4096],
-        "unix_time_secs": int(time.time()),
-    }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(record, indent=2))
-        os.replace(tmp, path)
-    except OSError:
-        return None
-    return path
