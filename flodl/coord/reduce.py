@@ -70,6 +70,7 @@ from typing import Self
 import torch
 
 from flodl.errors import FrameError, LocalProtocolError
+from flodl.outer import OuterConfig, OuterStep
 from flodl.wire.tensors import (
     CONSENSUS_SENDER,
     DATA_HANDSHAKE_TIMEOUT_S,
@@ -303,6 +304,8 @@ class ReduceServer:
         on_done: Callable[[int, tuple[int, ...], float], None],
         max_frame_bytes: int | None = None,
         read_timeout_s: float = READ_TIMEOUT_S,
+        outer: OuterConfig | None = None,
+        outer_state: dict[str, list[torch.Tensor]] | None = None,
     ) -> None:
         if world_size < 1:
             raise LocalProtocolError(f"world_size must be >= 1, got {world_size}")
@@ -338,6 +341,11 @@ class ReduceServer:
         self._acc: dict[TensorKind, _Flat] = {}
         self._mirror: dict[TensorKind, tuple[_Flat, int]] = {}  # and the fold it mirrors
         self._folds = 0
+        # The outer optimizer (CPU placement): applied by the worker to each folded consensus;
+        # its lock lets the event loop snapshot it for a checkpoint between folds.
+        self._outer = OuterStep(outer) if outer is not None and not outer.is_identity else None
+        self._outer_resume = outer_state
+        self._outer_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> int:
@@ -753,6 +761,8 @@ class ReduceServer:
             with torch.no_grad():
                 self._fold(kinds[0], weighted, weight_total)
                 self._fold(kinds[1], [u.buffers for u in movers], divisors[1])
+                if weight_total > 0 and self._outer is not None:
+                    self._apply_outer(list(self._acc[kinds[0]].flats.values()))
             variants: dict[tuple[tuple[WireDtype, ...], ...], tuple[_Outgoing, _Outgoing]] = {}
             for rank, upload in zip(contributors, uploads, strict=True):
                 key = (upload.param_wire, upload.buffer_wire)
@@ -796,6 +806,25 @@ class ReduceServer:
             self.on_done(rnd.cycle, contributors, weight_total)
         except Exception:
             logger.exception("on_done failed for round %d", rnd.cycle)
+
+    def _apply_outer(self, consensus: list[torch.Tensor]) -> None:
+        assert self._outer is not None
+        with self._outer_lock:
+            if self._outer_resume is not None:
+                state, self._outer_resume = self._outer_resume, None
+                try:
+                    self._outer.restore(state, consensus)
+                except ValueError as exc:
+                    logger.warning("outer optimizer state not restored (%s): zero momentum", exc)
+            self._outer.apply(consensus)
+
+    def outer_state(self) -> dict[str, list[torch.Tensor]]:
+        """A copy of the outer optimizer's state (empty without one, or before the first
+        round). Safe from any thread."""
+        if self._outer is None:
+            return {}
+        with self._outer_lock:
+            return self._outer.state()
 
     def _fold(self, kind: TensorKind, parts: list[_Flat], divisor: float) -> None:
         """acc[kind] = sum(parts) / divisor, one flat tensor per dtype, parts in rank order."""
