@@ -1,0 +1,1 @@
+"""Run monitoring: the on-disk record log, the alert lane and the live dashboard (spec §9)."""
