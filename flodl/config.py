@@ -21,6 +21,7 @@ __all__ = [
     "MODES",
     "ElCheConfig",
     "MaxFailure",
+    "EpochCallbackPolicy",
     "CoordConfig",
     "validated",
     "DEFAULT_HEARTBEAT_TIMEOUT_S",
@@ -160,6 +161,24 @@ class ElCheConfig(_Config):
         return self.policy != "async"
 
 
+class EpochCallbackPolicy:
+    """Which rank runs ``epoch_fn``, eval and ``checkpoint_fn`` (flodl-spec.md §6.7).
+
+    ``EpochCallbackPolicy.Fastest`` (default): the live rank with the lowest smoothed ms/batch,
+    elected at the first calibration and re-elected only when it dies.
+    ``EpochCallbackPolicy.Rank(n)``: pinned to global rank ``n`` (checked against the world
+    size at ``run()``); only the checkpoint role fails over while ``n`` is dead.
+    """
+
+    Fastest: Literal["fastest"] = "fastest"
+
+    @staticmethod
+    def Rank(n: int) -> int:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"EpochCallbackPolicy.Rank needs a rank >= 0, got {n!r}")
+        return n
+
+
 class MaxFailure(_Config):
     """How many rank deaths a run tolerates before ShutdownWithSave(``max_failure_exceeded``):
     ``absolute=n`` breaches at ``dead ≥ n``; ``percent=p`` at ``dead ≥ ceil(p · world_size)``."""
@@ -207,6 +226,9 @@ class CoordConfig(_Config):
     checkpoint_every: Annotated[int, Field(ge=1)] | None = None
     checkpoint_at_epoch: Annotated[int, Field(ge=0)] | None = None
     has_eval: bool = False
+    save_bundles: bool = False
+    """A ``save_path`` is set: checkpoints, ShutdownWithSave and the end of the run write a
+    bundle (model, optimizer states, meta)."""
     eval_every: Annotated[int, Field(ge=1)] | None = None
     reports_per_epoch: Annotated[int, Field(ge=1, le=1000)] | None = None
     run_id: str = "run"

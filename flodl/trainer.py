@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import queue
+import re
 import secrets
 import signal
 import socket
@@ -37,27 +38,41 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Self
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from flodl import checkpoint
 from flodl.config import CoordConfig, ElCheConfig, MaxFailure, validated
-from flodl.coord.chunks import epoch_batches, epoch_slice, index_space, permutation
-from flodl.coord.effects import Alert, EpochDone, EvalDone, Record, RunOver, WriteMeta
-from flodl.data import BatchDataset, as_batch_dataset
-from flodl.errors import ConfigError, FlodlError
+from flodl.coord.effects import (
+    Alert,
+    BundleRequested,
+    EpochDone,
+    EvalDone,
+    Record,
+    RunOver,
+    WriteMeta,
+)
+from flodl.coord.machine import ResumeState
+from flodl.data import as_batch_dataset
+from flodl.errors import CheckpointError, ConfigError, FlodlError
 from flodl.launch.cluster import CLUSTER_ENV_VAR, Cluster, ClusterBuilder
+from flodl.local import LocalRun, LocalSchedule
+from flodl.outer import OuterConfig
 from flodl.rank.runtime import (
     RankSpec,
     TrainJob,
-    fetch_batch,
-    optimizer_step,
     record_scalar,
     run_rank,
+    timed_callback,
 )
 from flodl.rank.snapshot import TrainedState
 from flodl.wire.frames import EpochMetrics
+
+if TYPE_CHECKING:
+    from flodl.coord.service import BundleWriter
+    from flodl.worker import Worker
 
 __all__ = ["Trainer", "TrainerBuilder", "TrainerConfig", "TrainerHandle", "record_scalar"]
 
@@ -117,7 +132,31 @@ class TrainerConfig(BaseModel):
     cluster: Cluster | None = None
     """Hosts and devices to launch on (``ClusterBuilder`` / ``fdl.cluster.yml``)."""
     save_path: str | None = None
-    """File stem for death records and (later) checkpoints."""
+    """Bundle stem: checkpoints, ShutdownWithSave and the end of the run write
+    ``<stem>.fdl``, ``<stem>.rank<N>.optim``, ``<stem>.meta.json`` (and ``<stem>.outer.fdl``);
+    death records go to ``<stem>.rank<N>.death.json``."""
+    resume_from: str | None = None
+    """Bundle stem to resume from (same world size, seed, batch size and epoch splits)."""
+    checkpoint_every: Annotated[int, Field(ge=1)] | None = None
+    """Save a bundle (and call ``checkpoint_fn``) after every n-th epoch."""
+    checkpoint_at_epoch: Annotated[int, Field(ge=0)] | None = None
+    """Save once, after this (0-based) epoch."""
+    checkpoint_fn: Callable[[int, Any], None] | None = None
+    """``checkpoint_fn(epoch, model)`` on the checkpoint role rank, with the consensus."""
+    eval_dataset: Any = None
+    eval_fn: Callable[[Any, Any], float] | None = None
+    """``eval_fn(model, eval_dataset) -> metric`` on the eval role rank, with the consensus;
+    every ``eval_every`` epochs (default every epoch) and once after the last epoch."""
+    eval_result_fn: Callable[[int, float], None] | None = None
+    """``eval_result_fn(epoch, metric)`` on the host; the final eval is tagged
+    ``num_epochs × epoch_splits``."""
+    eval_every: Annotated[int, Field(ge=1)] | None = None
+    epoch_fn: Callable[[int, Any], None] | None = None
+    """``epoch_fn(epoch, model)`` on the epoch-callback role rank after each epoch."""
+    epoch_callback_policy: Literal["fastest"] | Annotated[int, Field(ge=0)] = "fastest"
+    """``EpochCallbackPolicy.Fastest`` (default) or ``EpochCallbackPolicy.Rank(n)``."""
+    outer_optimizer: OuterConfig = Field(default_factory=OuterConfig)
+    """``OuterAvg()`` (default), ``SlowMomentum(lr, mu)`` or ``NesterovMomentum(lr, mu)``."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -137,6 +176,13 @@ class TrainerConfig(BaseModel):
         world = self.cluster.world_size if self.cluster is not None else (self.ranks or 1)
         if ratios is not None and len(ratios) != world:
             raise ValueError(f"elche.partition_ratios has {len(ratios)} entries for {world} ranks")
+        policy = self.epoch_callback_policy
+        if isinstance(policy, int) and policy >= world:
+            raise ValueError(
+                f"epoch_callback_policy Rank({policy}) is out of range for {world} rank(s)"
+            )
+        if self.eval_fn is None and (self.eval_result_fn is not None or self.eval_every):
+            raise ValueError("eval_result_fn / eval_every need an eval_fn")
         return self
 
 
@@ -207,6 +253,40 @@ class TrainerBuilder:
         """Launch on these hosts and devices (``ClusterBuilder(...).build()``)."""
         return self._set("cluster", cluster)
 
+    def resume_from(self, stem: str) -> TrainerBuilder:
+        return self._set("resume_from", stem)
+
+    def checkpoint_every(self, n: int) -> TrainerBuilder:
+        return self._set("checkpoint_every", n)
+
+    def checkpoint_at_epoch(self, epoch: int) -> TrainerBuilder:
+        return self._set("checkpoint_at_epoch", epoch)
+
+    def checkpoint_fn(self, fn: Callable[[int, Any], None]) -> TrainerBuilder:
+        return self._set("checkpoint_fn", fn)
+
+    def eval_dataset(self, ds: Any) -> TrainerBuilder:
+        return self._set("eval_dataset", ds)
+
+    def eval_fn(self, fn: Callable[[Any, Any], float]) -> TrainerBuilder:
+        return self._set("eval_fn", fn)
+
+    def eval_result_fn(self, fn: Callable[[int, float], None]) -> TrainerBuilder:
+        return self._set("eval_result_fn", fn)
+
+    def eval_every(self, n: int) -> TrainerBuilder:
+        return self._set("eval_every", n)
+
+    def epoch_fn(self, fn: Callable[[int, Any], None]) -> TrainerBuilder:
+        return self._set("epoch_fn", fn)
+
+    def epoch_callback_policy(self, policy: str | int) -> TrainerBuilder:
+        """``EpochCallbackPolicy.Fastest`` or ``EpochCallbackPolicy.Rank(n)``."""
+        return self._set("epoch_callback_policy", policy)
+
+    def outer_optimizer(self, outer: OuterConfig) -> TrainerBuilder:
+        return self._set("outer_optimizer", outer)
+
     def config(self) -> TrainerConfig:
         if "dataset" not in self._values:
             raise ConfigError("invalid TrainerConfig: dataset: required (call .dataset(ds))")
@@ -214,6 +294,10 @@ class TrainerBuilder:
 
     def run(self) -> TrainerHandle:
         return Trainer.run(*self._factories, self.config())
+
+    def into_worker(self) -> Worker:
+        """The cooperative tier: a :class:`~flodl.worker.Worker` whose loop you own."""
+        return Trainer.worker(*self._factories, self.config())
 
 
 class TrainerHandle:
@@ -288,15 +372,7 @@ class Trainer:
     def run(
         model_factory: Fn, optim_factory: Fn, train_step: Fn, config: TrainerConfig
     ) -> TrainerHandle:
-        if not isinstance(config, TrainerConfig):
-            raise ConfigError("Trainer.run needs a TrainerConfig as its 4th argument")
-        for name, fn in (
-            ("model_factory", model_factory),
-            ("optim_factory", optim_factory),
-            ("train_step", train_step),
-        ):
-            if not callable(fn):
-                raise ConfigError(f"{name} must be callable, got {type(fn).__name__}")
+        _check_factories(model_factory, optim_factory, train_step, config)
         job = _job(model_factory, optim_factory, train_step, config)
         if rank_env() is not None:
             return _run_as_rank(job, config)
@@ -304,6 +380,46 @@ class Trainer:
         if cluster is not None and cluster.world_size > 1:
             return _launch(job, config, cluster)
         return _run_single(job, config)
+
+    @staticmethod
+    def worker(
+        model_factory: Fn, optim_factory: Fn, train_step: Fn | None, config: TrainerConfig
+    ) -> Worker:
+        """The cooperative tier's entry (``builder(...).into_worker()``); ``train_step`` may be
+        ``None`` since the user's loop computes the loss."""
+        from flodl.rank.runtime import RankLoop
+        from flodl.worker import Worker
+
+        step = _no_train_step if train_step is None else train_step
+        _check_factories(model_factory, optim_factory, step, config)
+        job = _job(model_factory, optim_factory, step, config)
+        if rank_env() is not None:
+            return Worker(
+                loop=RankLoop(_rank_spec(), job),
+                launched=os.environ.get(ENV_LAUNCHED) == "1",
+            )
+        cluster = _resolve_cluster(config)
+        if cluster is not None and cluster.world_size > 1:
+            return Worker(handle=_launch(job, config, cluster))
+        return Worker(local=LocalRun(job, _local_schedule(config)))
+
+
+def _check_factories(
+    model_factory: Fn, optim_factory: Fn, train_step: Fn, config: TrainerConfig
+) -> None:
+    if not isinstance(config, TrainerConfig):
+        raise ConfigError("Trainer.run needs a TrainerConfig as its 4th argument")
+    for name, fn in (
+        ("model_factory", model_factory),
+        ("optim_factory", optim_factory),
+        ("train_step", train_step),
+    ):
+        if not callable(fn):
+            raise ConfigError(f"{name} must be callable, got {type(fn).__name__}")
+
+
+def _no_train_step(model: Any, batch: Any) -> Any:
+    raise FlodlError("this Worker's loop computes the loss itself: call worker.step(loss)")
 
 
 def _resolve_cluster(c: TrainerConfig) -> Cluster | None:
@@ -347,16 +463,31 @@ def _job(model_factory: Fn, optim_factory: Fn, train_step: Fn, c: TrainerConfig)
         epoch_splits=c.epoch_splits,
         scheduler_fn=c.scheduler_fn,
         lr_scale_ratio=c.lr_scale_ratio,
+        epoch_fn=c.epoch_fn,
+        checkpoint_fn=c.checkpoint_fn,
+        eval_fn=c.eval_fn,
+        eval_dataset=c.eval_dataset,
+        save_path=checkpoint.normalize_stem(c.save_path) if c.save_path else None,
+        resume_from=checkpoint.normalize_stem(c.resume_from) if c.resume_from else None,
+        outer=c.outer_optimizer,
+    )
+
+
+def _local_schedule(c: TrainerConfig) -> LocalSchedule:
+    return LocalSchedule(
+        num_epochs=c.num_epochs,
+        device=c.device,
+        checkpoint_every=c.checkpoint_every,
+        checkpoint_at_epoch=c.checkpoint_at_epoch,
+        eval_every=c.eval_every,
+        eval_result_fn=c.eval_result_fn,
+        metrics_fn=c.metrics_fn,
     )
 
 
 def _safe_metrics(fn: Callable[[EpochMetrics], None] | None, m: EpochMetrics) -> None:
-    if fn is None:
-        return
-    try:
-        fn(m)
-    except Exception:
-        logger.exception("metrics_fn raised on epoch %d (training continues)", m.epoch)
+    if fn is not None:
+        timed_callback(f"metrics_fn (epoch {m.epoch})", lambda: fn(m))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,54 +513,7 @@ def _run_single(job: TrainJob, c: TrainerConfig) -> TrainerHandle:
 
 
 def _train_single(job: TrainJob, c: TrainerConfig, handle: TrainerHandle) -> TrainedState:
-    device = torch.device(c.device)
-    torch.manual_seed(job.seed)
-    model = job.model_factory(device)
-    optim = job.optim_factory(model.parameters())
-    scheduler = job.scheduler_fn(1) if job.scheduler_fn else None
-    ds: BatchDataset = job.dataset
-    space = index_space(len(ds), job.augment)
-    bs = job.batch_size
-    step = 0
-    for epoch in range(c.num_epochs * c.epoch_splits):
-        started = time.perf_counter()
-        data_pass, start, _ = epoch_slice(epoch, space, job.epoch_splits)
-        perm = permutation(space, data_pass, job.seed)
-        n_batches = epoch_batches(epoch, space, bs, job.epoch_splits)
-        loss_sum = compute_ms = data_ms = 0.0
-        scalars: dict[str, list[float]] = {}
-        for b in range(n_batches):
-            t0 = time.perf_counter()
-            batch = fetch_batch(job, perm[start + b * bs : start + (b + 1) * bs], device)
-            t1 = time.perf_counter()
-            if scheduler is not None:
-                for group in optim.param_groups:
-                    group["lr"] = float(scheduler(step))
-            loss_sum += optimizer_step(job, model, optim, batch, scalars, step + 1)
-            step += 1
-            compute_ms += (time.perf_counter() - t1) * 1000.0
-            data_ms += (t1 - t0) * 1000.0
-        epoch_ms = (time.perf_counter() - started) * 1000.0
-        busy = compute_ms + data_ms
-        means = {k: total / n for k, (total, n) in sorted(scalars.items()) if n}
-        m = EpochMetrics(
-            epoch=epoch,
-            avg_loss=loss_sum / max(1, n_batches),
-            epoch_ms=epoch_ms,
-            scalars=means,
-            per_rank=[means],
-            per_rank_loss=[loss_sum / max(1, n_batches)],
-            per_rank_throughput=[1000.0 * n_batches * bs / busy if busy > 0 else 0.0],
-            per_rank_batch_share=[1.0],
-            per_rank_samples=[n_batches * bs],
-            per_rank_share_complete_ms=[busy],
-            per_rank_compute_only_ms=[compute_ms],
-            per_rank_data_starve_ms=[data_ms],
-            device_indices=[device.index],
-        )
-        _safe_metrics(c.metrics_fn, m)
-        handle._push(m)
-    return TrainedState.of(model)
+    return LocalRun(job, _local_schedule(c), on_metrics=handle._push).run()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,20 +618,31 @@ def _run_as_rank(job: TrainJob, c: TrainerConfig) -> TrainerHandle:
             # the launcher's user reads this child's stderr: say which rank died and why
             print(f"flodl: rank {spec.rank} failed:", file=sys.stderr)  # noqa: T201
             traceback.print_exc()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+            _exit_launched_rank(None, spec.rank)
         raise
     if launched:
-        final_dir = os.environ.get(ENV_FINAL_DIR)
-        if final_dir:
-            _save_state(state, Path(final_dir) / f"final.rank{spec.rank}.pt")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # code after join() runs once: in the launcher
+        _exit_launched_rank(state, spec.rank)
     handle = TrainerHandle(spec.world_size, is_primary=spec.rank == 0)
     handle._finish(state, None)
     return handle
+
+
+def _exit_launched_rank(state: TrainedState | None, rank: int) -> None:
+    """End a launcher-spawned rank process: its final state goes to the launcher (exit 0), or
+    nothing does (exit 1). Code after ``join()``/``finish()`` runs once: in the launcher."""
+    code = 1
+    if state is not None:
+        code = 0
+        final_dir = os.environ.get(ENV_FINAL_DIR)
+        if final_dir:
+            try:
+                _save_state(state, Path(final_dir) / f"final.rank{rank}.pt")
+            except OSError:
+                traceback.print_exc()
+                code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _save_state(state: TrainedState, path: Path) -> None:
@@ -567,9 +662,14 @@ def _save_state(state: TrainedState, path: Path) -> None:
 class _HandleSink:
     handle: TrainerHandle
     metrics_fn: Callable[[EpochMetrics], None] | None
+    bundles: BundleWriter
+    eval_result_fn: Callable[[int, float], None] | None = None
 
     def write_meta(self, effect: WriteMeta) -> None:
-        return None
+        self.bundles.write_meta(effect)
+
+    def bundle_requested(self, effect: BundleRequested) -> None:
+        self.bundles.bundle_requested(effect)
 
     def record(self, effect: Record) -> None:
         return None
@@ -582,7 +682,9 @@ class _HandleSink:
         self.handle._push(effect.metrics)
 
     def eval_done(self, effect: EvalDone) -> None:
-        return None
+        fn = self.eval_result_fn
+        if fn is not None:
+            timed_callback("eval_result_fn", lambda: fn(effect.epoch, effect.metric))
 
 
 def _child_argv() -> list[str]:
@@ -593,8 +695,53 @@ def _child_argv() -> list[str]:
     return [sys.executable, *sys.argv]
 
 
+def _record_hosts(cluster: Cluster) -> tuple[str, ...]:
+    """Each rank's host name as a record-tree path segment (``[A-Za-z0-9._-]``, ≤ 64)."""
+    names = []
+    for slot in cluster.ranks():
+        host = cluster.workers[slot.worker_index].host
+        names.append(re.sub(r"[^A-Za-z0-9._-]", "_", host)[:64].strip(".") or "host")
+    return tuple(names)
+
+
+def _resume(
+    stem: str, coord_cfg: CoordConfig
+) -> tuple[ResumeState, dict[str, list[torch.Tensor]] | None]:
+    """The coordinator's side of ``resume_from``: the meta (checked against this run and the
+    model file), and the CPU outer state when there is one.
+
+    Raises:
+        CheckpointError: missing/corrupt files, another world size or seed, or a model file
+            from another save than the meta.
+    """
+    meta = checkpoint.read_meta(stem, world_size=coord_cfg.world_size)
+    state = checkpoint.resume_state(
+        meta,
+        seed=coord_cfg.seed,
+        batch_size=coord_cfg.batch_size,
+        epoch_splits=coord_cfg.epoch_splits,
+        total_epochs=coord_cfg.total_epochs,
+    )
+    bundle = checkpoint.load_model(stem)
+    if bundle.global_step != meta.global_step:
+        raise CheckpointError(
+            f"{stem}.fdl is from global step {bundle.global_step} but {stem}.meta.json from "
+            f"{meta.global_step}: the two come from different saves"
+        )
+    outer = None
+    if coord_cfg.elche.backend == "cpu":
+        try:
+            saved = checkpoint.load_outer(stem)
+        except CheckpointError as exc:
+            logger.warning("outer optimizer state not restored (%s): zero momentum", exc)
+            saved = None
+        if saved is not None and saved.global_step == meta.global_step:
+            outer = saved.state
+    return state, outer
+
+
 def _launch(job: TrainJob, c: TrainerConfig, cluster: Cluster) -> TrainerHandle:
-    from flodl.coord.service import CoordinatorService
+    from flodl.coord.service import BundleWriter, CoordinatorService
 
     world = cluster.world_size
     local_names = local_host_names()
@@ -617,16 +764,37 @@ def _launch(job: TrainJob, c: TrainerConfig, cluster: Cluster) -> TrainerHandle:
         stall_floor_s=300.0 * scale,
         max_failure=c.max_failure,
         run_id=f"run-{secrets.token_hex(4)}",
+        epoch_callback_policy=c.epoch_callback_policy,
+        has_epoch_fn=c.epoch_fn is not None,
+        has_checkpoint_fn=c.checkpoint_fn is not None,
+        checkpoint_every=c.checkpoint_every,
+        checkpoint_at_epoch=c.checkpoint_at_epoch,
+        has_eval=c.eval_fn is not None,
+        eval_every=c.eval_every,
+        save_bundles=job.save_path is not None,
+        hosts=_record_hosts(cluster),
     )
+    resume, outer_state = _resume(job.resume_from, coord_cfg) if job.resume_from else (None, None)
     secret = secrets.token_bytes(32)
     handle = TrainerHandle(world)
-    sink = _HandleSink(handle, c.metrics_fn)
+    bundles = BundleWriter(job.save_path)
+    sink = _HandleSink(handle, c.metrics_fn, bundles, c.eval_result_fn)
     run_dir = Path(tempfile.mkdtemp(prefix="flodl-"))
     ready: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
     over_box: list[RunOver] = []
     loop_box: list[asyncio.AbstractEventLoop] = []
     stop = threading.Event()
-    service = CoordinatorService(coord_cfg, secret, host=bind_host, port=bind_port, sink=sink)
+    service = CoordinatorService(
+        coord_cfg,
+        secret,
+        host=bind_host,
+        port=bind_port,
+        sink=sink,
+        resume=resume,
+        outer=c.outer_optimizer,
+        outer_state=outer_state,
+    )
+    bundles.service = service
 
     async def serve() -> None:
         loop_box.append(asyncio.get_running_loop())

@@ -19,6 +19,7 @@ __all__ = [
     "RankDead",
     "OpenReduce",
     "WriteMeta",
+    "BundleRequested",
     "Record",
     "Alert",
     "EpochDone",
@@ -77,10 +78,20 @@ class OpenReduce:
 
 @dataclass(frozen=True, slots=True)
 class WriteMeta:
-    """Write the checkpoint meta (atomically). ``meta`` is JSON-ready."""
+    """Write the checkpoint meta (atomically): the model file of bundle ``version`` is on disk,
+    so this meta commits the bundle. ``meta`` is JSON-ready; ``reason`` says why it was saved."""
 
     meta: dict[str, Any]
     reason: SaveReason | str
+    version: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BundleRequested:
+    """Bundle ``version`` was requested from the ranks: the shell snapshots the state it owns
+    for that bundle (the CPU outer optimizer's), to write with the matching :class:`WriteMeta`."""
+
+    version: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +145,7 @@ Effect = (
     | RankDead
     | OpenReduce
     | WriteMeta
+    | BundleRequested
     | Record
     | Alert
     | EpochDone

@@ -59,6 +59,7 @@ from flodl.coord.chunks import (
 from flodl.coord.cycle import Cycle, CyclePhase, Sessions, ranks_to_throttle
 from flodl.coord.effects import (
     Alert,
+    BundleRequested,
     Close,
     Effect,
     EpochDone,
@@ -92,6 +93,7 @@ from flodl.wire.frames import (
     PROTOCOL_VERSION,
     Accept,
     Batch,
+    BundleSaved,
     Checkpoint,
     CheckpointResult,
     CoordFrame,
@@ -243,6 +245,10 @@ class Coordinator:
         self.deferred_forfeit: set[int] = set()
         self.intents: set[str] = set()
         self.checkpoints: dict[int, CheckpointRetry] = {}
+        self.bundles: dict[int, tuple[CheckpointRetry, dict[str, Any], str]] = {}
+        """Requested bundles awaiting their model file: version → (writer failover, meta to
+        write once the ``.fdl`` is on disk, why it was saved)."""
+        self._bundle_seq = 0
         self.final_eval_epoch: int | None = None
         self.save_reason: SaveReason | None = None
         self.max_overshoot = el.max_overshoot if el.max_overshoot is not None else OVERSHOOT_INITIAL
@@ -527,6 +533,8 @@ class Coordinator:
                     self._on_eval_result(frame, now, out)
                 case CheckpointResult():
                     self._on_checkpoint_result(frame, out)
+                case BundleSaved():
+                    self._on_bundle_saved(frame, out)
                 case EpochFnElapsed():
                     self.roles.observe_cost("epoch_fn", rank, frame.elapsed_ms)
                 case ResourceSample():
@@ -614,6 +622,10 @@ class Coordinator:
         self._pending_divergence: dict[int, tuple[float | None, float | None, float | None]] = {}
         if self.backend == "cpu":
             out.append(OpenReduce(0, tuple(self.liveness.alive())))
+        if self.global_step > 0:  # resumed: schedulers continue where the run stopped
+            step: CoordFrame = SetGlobalStep(global_step=self.global_step)
+            for r in self.liveness.alive():
+                out.append(Send(r, step))
         self._advance_epochs(now, out)
 
     def _epoch_batches(self, epoch: int) -> int:
@@ -770,7 +782,7 @@ class Coordinator:
         """Checkpoint and eval for the epoch that just ended (``epoch - 1``), dispatched before
         the first ``start_epoch`` of ``epoch`` so the role rank runs them in FIFO order."""
         done = epoch - 1
-        if done < 0:
+        if done < self._first_epoch:  # closed by the run this one resumes: already done
             return
         self._maybe_checkpoint(done, out)
         self._maybe_eval(done, out)
@@ -780,25 +792,109 @@ class Coordinator:
         every = c.checkpoint_every is not None and (epoch + 1) % c.checkpoint_every == 0
         return every or c.checkpoint_at_epoch == epoch or "checkpoint_now" in self.intents
 
-    def _maybe_checkpoint(self, epoch: int, out: list[Effect]) -> None:
+    def _maybe_checkpoint(self, epoch: int, out: list[Effect], *, bundle: bool = True) -> None:
         if not self._checkpoint_due(epoch):
             return
         self.intents.discard("checkpoint_now")
-        target = self.roles.checkpoint_role
-        if not self.liveness.is_alive(target):
-            alive = self.liveness.alive()
-            if not alive:
-                return
-            target = alive[0]
+        target = self._checkpoint_target()
+        if target is None:
+            return
         if self.config.has_checkpoint_fn:
             retry = CheckpointRetry(version=epoch)
             retry.first(target)
             self.checkpoints[epoch] = retry
             out.append(Send(target, Checkpoint(version=epoch, target_rank=target)))
-        out.append(Send(target, SaveConsensusModel(target_rank=target, version=epoch)))
-        out.append(
-            WriteMeta(self.meta_record("graceful_shutdown"), f"checkpoint after epoch {epoch}")
+        if bundle:
+            self._request_bundle("graceful_shutdown", f"checkpoint after epoch {epoch}", out)
+
+    def _checkpoint_target(self) -> int | None:
+        target = self.roles.checkpoint_role
+        if self.liveness.is_alive(target):
+            return target
+        alive = self.liveness.alive()
+        return alive[0] if alive else None
+
+    # --- bundles (flodl-spec.md §8): the meta commits a bundle once its model file exists ----
+
+    def _request_bundle(self, reason: SaveReason, detail: str, out: list[Effect]) -> None:
+        """Ask every live rank for its part of a new bundle (the checkpoint role rank writes
+        the model); the meta, computed now, is written when the model file is on disk."""
+        if not self.config.save_bundles:
+            return
+        writer = self._checkpoint_target()
+        if writer is None:
+            out.append(Alert("checkpoint_failed", "root", f"no live rank to save ({detail})"))
+            return
+        version = self._bundle_seq
+        self._bundle_seq += 1
+        retry = CheckpointRetry(version=version)
+        retry.first(writer)
+        self.bundles[version] = (retry, self.meta_record(reason), detail)
+        out.append(BundleRequested(version))
+        frame: CoordFrame = self._bundle_frame(version, writer)
+        for r in self.liveness.alive():
+            out.append(Send(r, frame))
+
+    def _bundle_frame(self, version: int, writer: int) -> SaveConsensusModel:
+        meta = self.bundles[version][1]
+        return SaveConsensusModel(
+            target_rank=writer,
+            version=version,
+            global_step=meta["global_step"],
+            sync_round=meta["sync_round"],
+            epoch=meta["epoch"],
         )
+
+    def _on_bundle_saved(self, res: BundleSaved, out: list[Effect]) -> None:
+        self.roles.observe_cost("checkpoint", res.rank, res.elapsed_ms)
+        pending = self.bundles.get(res.version)
+        if pending is None or pending[0].target != res.rank:
+            if res.error is not None:  # a rank's optimizer state: the bundle still commits
+                out.append(
+                    Alert(
+                        "checkpoint_failed",
+                        self.paths[res.rank],
+                        f"rank {res.rank} could not save its part of bundle {res.version}: "
+                        f"{res.error}",
+                    )
+                )
+            return
+        if res.model:  # the model file is on disk: the meta commits the bundle
+            del self.bundles[res.version]
+            out.append(WriteMeta(pending[1], pending[2], res.version))
+            if res.error is not None:
+                out.append(
+                    Alert(
+                        "checkpoint_failed",
+                        self.paths[res.rank],
+                        f"bundle {res.version}: rank {res.rank} wrote the model but not its "
+                        f"optimizer state: {res.error}",
+                    )
+                )
+            return
+        why = f"rank {res.rank}: {res.error or 'no model file written'}"
+        self._retry_bundle(res.version, why, out)
+
+    def _retry_bundle(self, version: int, why: str, out: list[Effect]) -> None:
+        retry, _, detail = self.bundles[version]
+        nxt = None if self.phase is RunPhase.SHUTDOWN else retry.next_target(self.liveness.alive())
+        if nxt is None:
+            del self.bundles[version]
+            out.append(
+                Alert(
+                    "checkpoint_failed",
+                    "root",
+                    f"bundle {version} ({detail}) not saved ({why}); the previous checkpoint "
+                    "stays the one to resume from",
+                )
+            )
+            return
+        out.append(Send(nxt, self._bundle_frame(version, nxt)))
+
+    def _failover_bundles(self, dead: int, out: list[Effect]) -> None:
+        for version in sorted(self.bundles):
+            if self.bundles[version][0].target == dead:
+                self._retry_bundle(version, f"rank {dead} died", out)
 
     def _eval_due(self, epoch: int) -> bool:
         every = self.config.effective_eval_every
@@ -827,6 +923,8 @@ class Coordinator:
 
     def _end_of_training(self, now: float, out: list[Effect]) -> None:
         final = self.config.total_epochs
+        # checkpoint_fn for the last epoch; its bundle is the end-of-run one
+        self._maybe_checkpoint(final - 1, out, bundle=False)
         if self.config.has_eval and self._maybe_eval(final, out, final=True):
             self.phase = RunPhase.FINAL_EVAL
             self.final_eval_epoch = final
@@ -834,8 +932,8 @@ class Coordinator:
         self._begin_shutdown(out)
 
     def _begin_shutdown(self, out: list[Effect]) -> None:
+        self._request_bundle("graceful_shutdown", "end of run", out)
         self.phase = RunPhase.SHUTDOWN
-        out.append(WriteMeta(self.meta_record("graceful_shutdown"), "end of run"))
         for r in self.liveness.alive():
             out.append(Send(r, Shutdown()))
         self._maybe_done(out)
@@ -1147,6 +1245,7 @@ class Coordinator:
             return
         if self.phase is RunPhase.SHUTDOWN:
             self._forfeit(rank, now, out, redistribute=False)  # its work stays uncovered
+            self._failover_bundles(rank, out)
             self._maybe_done(out)
             return
         self.elche.mark_dead(rank)
@@ -1175,6 +1274,7 @@ class Coordinator:
         if why:
             out.append(Record("root", "event", {"roles": why}))
         self._failover_checkpoints(rank, alive, out)
+        self._failover_bundles(rank, out)
         if self.backend == "collective":
             session, members = self.sessions.reform(alive)
             for r in alive:
@@ -1274,7 +1374,7 @@ class Coordinator:
         if self.save_reason is not None or self.phase in (RunPhase.SHUTDOWN, RunPhase.DONE):
             return
         self.save_reason = reason
-        out.append(WriteMeta(self.meta_record(reason), detail))
+        self._request_bundle(reason, detail, out)
         self.phase = RunPhase.SHUTDOWN
         for r in self.liveness.alive():
             out.append(Send(r, ShutdownWithSave(reason=reason, detail=detail[:4096])))
@@ -1299,6 +1399,7 @@ class Coordinator:
         if self._heartbeat_at is None:
             self._heartbeat_at = now + COORD_HEARTBEAT_S
 
+    _first_epoch = 0
     _resume_epoch: int | None = None
     _resume_uncovered: list[BatchRange] | None = None
 
@@ -1308,6 +1409,7 @@ class Coordinator:
                 f"resume epoch {resume.epoch} outside 0..{self.config.total_epochs}"
             )
         self.next_epoch = resume.epoch
+        self._first_epoch = resume.epoch
         self.last_aggregated = resume.epoch - 1
         self.global_step = resume.global_step
         self.sync_rounds = resume.sync_round

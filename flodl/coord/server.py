@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 from flodl.coord.effects import (
     Alert,
+    BundleRequested,
     Close,
     Effect,
     EpochDone,
@@ -72,6 +73,7 @@ class EffectSink(Protocol):
     """Where the machine's non-network effects go (the launcher, the record log, the handle)."""
 
     def write_meta(self, effect: WriteMeta) -> None: ...
+    def bundle_requested(self, effect: BundleRequested) -> None: ...
     def record(self, effect: Record) -> None: ...
     def alert(self, effect: Alert) -> None: ...
     def epoch_done(self, effect: EpochDone) -> None: ...
@@ -83,6 +85,9 @@ class LoggingSink:
 
     def write_meta(self, effect: WriteMeta) -> None:
         logger.info("meta (%s): epoch %s", effect.reason, effect.meta.get("epoch"))
+
+    def bundle_requested(self, effect: BundleRequested) -> None:
+        logger.debug("bundle %d requested", effect.version)
 
     def record(self, effect: Record) -> None:
         logger.debug("record %s %s %s", effect.path, effect.kind, effect.data)
@@ -373,6 +378,8 @@ class CoordinatorServer:
                         self.reduce.open_round(cycle, ranks)
                 case WriteMeta():
                     self._safe(self.sink.write_meta, effect)
+                case BundleRequested():
+                    self._safe(self.sink.bundle_requested, effect)
                 case Record():
                     self._safe(self.sink.record, effect)
                 case Alert():

@@ -6,14 +6,18 @@ from __future__ import annotations
 import logging
 import random
 
+import torch
+
+from flodl import checkpoint
 from flodl.config import CoordConfig
-from flodl.coord.effects import RunOver
+from flodl.coord.effects import BundleRequested, RunOver, WriteMeta
 from flodl.coord.machine import Coordinator, ResumeState
 from flodl.coord.reduce import ReduceServer
 from flodl.coord.server import CoordinatorServer, EffectSink
 from flodl.coord.store import StoreHost
+from flodl.outer import OuterConfig
 
-__all__ = ["CoordinatorService"]
+__all__ = ["CoordinatorService", "BundleWriter"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +32,8 @@ class CoordinatorService:
         port: control port (0 = any).
         sink: where meta/records/alerts/metrics go.
         resume: state read from a checkpoint meta.
+        outer: the outer optimizer, applied here in CPU modes (ranks apply it in collective
+            modes); ``outer_state`` restores its momentum.
     """
 
     def __init__(
@@ -39,6 +45,8 @@ class CoordinatorService:
         port: int = 0,
         sink: EffectSink | None = None,
         resume: ResumeState | None = None,
+        outer: OuterConfig | None = None,
+        outer_state: dict[str, list[torch.Tensor]] | None = None,
     ) -> None:
         self.config = config
         self.secret = secret
@@ -49,6 +57,8 @@ class CoordinatorService:
         self.server: CoordinatorServer | None = None
         self._reduce: ReduceServer | None = None
         self._store: StoreHost | None = None
+        self._outer = outer
+        self._outer_state = outer_state
 
     async def start(self) -> int:
         """Start every service; returns the control port."""
@@ -60,6 +70,8 @@ class CoordinatorService:
                 host=self.host,
                 world_size=self.config.world_size,
                 on_done=self._on_reduce_done,
+                outer=self._outer,
+                outer_state=self._outer_state,
             )
             data_port = self._reduce.start()
         else:
@@ -83,6 +95,10 @@ class CoordinatorService:
         if self.server is not None:
             self.server.reduce_done_threadsafe(cycle, contributors, weight)
 
+    def outer_state(self) -> dict[str, list[torch.Tensor]]:
+        """The coordinator-side outer optimizer state (CPU modes), for a bundle."""
+        return self._reduce.outer_state() if self._reduce is not None else {}
+
     def child_exited_threadsafe(self, rank: int, exit_code: int) -> None:
         if self.server is not None:
             self.server.child_exited_threadsafe(rank, exit_code)
@@ -98,3 +114,39 @@ class CoordinatorService:
             self._reduce.close()
         if self._store is not None:
             self._store.close()
+
+
+class BundleWriter:
+    """The coordinator's part of a checkpoint bundle: the CPU outer optimizer's state as of the
+    request, then the meta that commits the bundle (the ranks already wrote the model file).
+
+    A failed write is logged and costs only this checkpoint, never the run.
+    """
+
+    def __init__(self, stem: str | None, service: CoordinatorService | None = None) -> None:
+        self.stem = stem
+        self.service = service
+        self._outer: dict[int, dict[str, list[torch.Tensor]]] = {}
+        self.written: list[str] = []
+
+    def bundle_requested(self, effect: BundleRequested) -> None:
+        if self.stem is not None and self.service is not None:
+            state = self.service.outer_state()
+            if state:
+                self._outer[effect.version] = state
+
+    def write_meta(self, effect: WriteMeta) -> None:
+        outer = self._outer.pop(effect.version, None) if effect.version is not None else None
+        if self.stem is None:
+            return
+        try:
+            if outer:
+                checkpoint.save_outer(self.stem, outer, global_step=effect.meta["global_step"])
+            checkpoint.write_meta(self.stem, effect.meta)
+        except Exception:
+            logger.exception(
+                "writing the checkpoint meta for %s failed (training continues)", self.stem
+            )
+            return
+        self.written.append(str(effect.reason))
+        logger.info("checkpoint %s saved (%s)", self.stem, effect.reason)

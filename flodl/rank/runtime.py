@@ -25,33 +25,38 @@ the coordinator (DESIGN.md §2, STYLE.md §2.2):
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import math
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from flodl import checkpoint
 from flodl.config import ElCheConfig
 from flodl.coord.chunks import epoch_slice, index_space, permutation, pick_to_sample
 from flodl.data import BatchDataset
-from flodl.errors import CollectiveFailed, CoordinatorLost, FlodlError
+from flodl.errors import CheckpointError, CollectiveFailed, CoordinatorLost, FlodlError
+from flodl.outer import OuterConfig, OuterStep
 from flodl.rank.bridge import RankBridge
 from flodl.rank.collectives import divergence
 from flodl.rank.snapshot import TrainedState, float_buffers, model_signature, write_death_record
 from flodl.wire.frames import (
     Accept,
     Batch,
+    BundleSaved,
     Checkpoint,
     CheckpointResult,
     CoordFrame,
     CoordHeartbeat,
     DeclareDead,
     EpochAggregated,
+    EpochFnElapsed,
     EpochPlan,
     EvalBroadcast,
     EvalResult,
@@ -85,6 +90,12 @@ OptimFactory = Callable[[Iterator[torch.nn.Parameter]], torch.optim.Optimizer]
 TrainStep = Callable[[torch.nn.Module, list[torch.Tensor]], torch.Tensor]
 Scheduler = Callable[[int], float]
 """``lr(global_step)`` for one rank."""
+EpochFn = Callable[[int, torch.nn.Module], None]
+"""``epoch_fn(epoch, model)`` on the epoch-callback role rank after each epoch."""
+CheckpointFn = Callable[[int, torch.nn.Module], None]
+"""``checkpoint_fn(epoch, model)`` on the checkpoint role rank, with the consensus parameters."""
+EvalFn = Callable[[torch.nn.Module, Any], float]
+"""``eval_fn(model, eval_dataset) -> metric`` on the eval role rank, with the consensus."""
 
 _SCALARS: contextvars.ContextVar[dict[str, list[float]] | None] = contextvars.ContextVar(
     "flodl_scalars", default=None
@@ -102,6 +113,16 @@ def record_scalar(name: str, value: float) -> None:
         slot = acc.setdefault(name, [0.0, 0.0])
         slot[0] += v
         slot[1] += 1
+
+
+@contextlib.contextmanager
+def scalar_scope(scalars: dict[str, list[float]]) -> Iterator[None]:
+    """``record_scalar`` calls inside this block add to ``scalars`` (name → [sum, count])."""
+    token = _SCALARS.set(scalars)
+    try:
+        yield
+    finally:
+        _SCALARS.reset(token)
 
 
 @dataclass(frozen=True)
@@ -154,6 +175,26 @@ class TrainJob:
     step_hook: Callable[[int, int], None] | None = None
     """Test hook ``(rank, step)`` called inside the timed compute of every step (e.g. to make
     a rank artificially slower); not for production use."""
+    epoch_fn: EpochFn | None = None
+    checkpoint_fn: CheckpointFn | None = None
+    eval_fn: EvalFn | None = None
+    eval_dataset: Any = None
+    save_path: str | None = None
+    """Bundle stem: ``<stem>.fdl``, ``<stem>.rank<N>.optim``, ``<stem>.outer.fdl``."""
+    resume_from: str | None = None
+    """Bundle stem to restore the model, optimizer and outer state from before training."""
+    outer: OuterConfig = field(default_factory=OuterConfig)
+
+    @property
+    def keeps_consensus(self) -> bool:
+        """Whether the rank keeps a copy of the last consensus (saves, evals and checkpoint
+        callbacks see it instead of the rank's local drift; EASGD's result is it)."""
+        return (
+            self.save_path is not None
+            or self.eval_fn is not None
+            or self.checkpoint_fn is not None
+            or self.elche.policy == "async"
+        )
 
 
 @dataclass
@@ -173,7 +214,7 @@ class _SliceStats:
     scalars: dict[str, list[float]] = field(default_factory=dict)
 
 
-class _Stop(Exception):
+class RunStopped(Exception):
     def __init__(self, save_reason: str | None) -> None:
         super().__init__(save_reason or "shutdown")
         self.save_reason = save_reason
@@ -203,11 +244,20 @@ def optimizer_step(
     """
     model.train()
     optim.zero_grad(set_to_none=True)
-    token = _SCALARS.set(scalars)
-    try:
+    with scalar_scope(scalars):
         loss = job.train_step(model, batch)
-    finally:
-        _SCALARS.reset(token)
+    return apply_loss(job, model, optim, loss, step)
+
+
+def apply_loss(
+    job: TrainJob, model: torch.nn.Module, optim: torch.optim.Optimizer, loss: Any, step: int
+) -> float:
+    """Backward, ``max_grad_norm`` clipping and the optimizer step for a computed ``loss``
+    (gradients must have been zeroed before the forward). Returns the loss value.
+
+    Raises:
+        FlodlError: ``loss`` is not a scalar tensor, or it (of ``step``) is not finite.
+    """
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise FlodlError("train_step must return a scalar loss tensor")
     loss.backward()  # type: ignore[no-untyped-call]
@@ -220,7 +270,66 @@ def optimizer_step(
     return value
 
 
-class _Rank:
+def timed_callback(name: str, fn: Callable[[], Any]) -> tuple[Any, float, str | None]:
+    """Run a user callback: ``(result, elapsed_ms, error)``; an exception becomes ``error``
+    (logged with its traceback) and never reaches the training loop."""
+    t0 = time.perf_counter()
+    try:
+        result = fn()
+    except Exception as exc:
+        logger.exception("%s raised (training continues)", name)
+        return None, (time.perf_counter() - t0) * 1000.0, f"{type(exc).__name__}: {exc}"[:4000]
+    return result, (time.perf_counter() - t0) * 1000.0, None
+
+
+def restore_bundle(
+    job: TrainJob,
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer,
+    rank: int,
+    outer: OuterStep | None = None,
+) -> checkpoint.ModelBundle | None:
+    """``resume_from``: load the consensus model, this rank's optimizer state and (collective
+    placement) the outer optimizer state. A missing or stale optimizer/outer file is warned
+    about and that state starts fresh; a missing or foreign model file raises.
+
+    Raises:
+        CheckpointError: the model file is missing, corrupt or from another model.
+    """
+    stem = job.resume_from
+    if stem is None:
+        return None
+    bundle = checkpoint.load_model(stem)
+    bundle.load_into(model, model_signature(model))
+    try:
+        saved = checkpoint.load_optim(stem, rank)
+    except CheckpointError as exc:
+        logger.warning("rank %d: optimizer state not restored (%s); starting it fresh", rank, exc)
+        saved = None
+    if saved is None:
+        logger.warning("rank %d: no optimizer state in the bundle; starting it fresh", rank)
+    elif saved.global_step != bundle.global_step:
+        logger.warning(
+            "rank %d: optimizer state is from global step %d, the model from %d; starting it fresh",
+            rank,
+            saved.global_step,
+            bundle.global_step,
+        )
+    else:
+        optim.load_state_dict(saved.state)
+    if outer is not None and not outer.config.is_identity:
+        try:
+            state = checkpoint.load_outer(stem)
+            if state is not None and state.global_step == bundle.global_step:
+                outer.restore(state.state, list(model.parameters()))
+            else:
+                logger.warning("rank %d: no matching outer optimizer state; zero momentum", rank)
+        except (CheckpointError, ValueError) as exc:
+            logger.warning("rank %d: outer state not restored (%s); zero momentum", rank, exc)
+    return bundle
+
+
+class RankLoop:
     def __init__(self, spec: RankSpec, job: TrainJob) -> None:
         self.spec = spec
         self.job = job
@@ -246,9 +355,35 @@ class _Rank:
         self.client: Any = None
         self.collective: Any = None
         self.consensus: list[torch.Tensor] | None = None
+        self.outer: OuterStep | None = None
+        self.epoch_role: int | None = None
+        self.last_eval: tuple[int, float] | None = None
+        self._timing = (0.0, 0.0)
 
     # ------------------------------------------------------------------ setup
     def run(self) -> TrainedState:
+        accept = self.start()
+        try:
+            return self._train(accept)
+        finally:
+            self.close()
+
+    def _train(self, accept: Accept) -> TrainedState:
+        self.begin(accept)
+        job = self.job
+        try:
+            for batch in self.batches():
+                scalars: dict[str, list[float]] = {}
+                loss = optimizer_step(job, self.model, self.optim, batch, scalars, self.step + 1)
+                if job.step_hook is not None:
+                    job.step_hook(self.spec.rank, self.step + 1)
+                self.after_step(loss, scalars)
+        except RunStopped as stop:
+            return self._finish(stop.save_reason)
+        raise AssertionError("unreachable: batches() ends only by RunStopped")
+
+    def start(self) -> Accept:
+        """Model, optimizer, restore, and the connection (the first half of :meth:`run`)."""
         spec, job = self.spec, self.job
         if spec.threads is not None:
             torch.set_num_threads(max(1, spec.threads))
@@ -257,6 +392,9 @@ class _Rank:
         self.optim = job.optim_factory(self.model.parameters())
         self.params = list(self.model.parameters())
         self.fbuffers = float_buffers(self.model)
+        if self.el.backend != "cpu" and not job.outer.is_identity:
+            self.outer = OuterStep(job.outer)  # collective placement: replicated per rank
+        restore_bundle(job, self.model, self.optim, spec.rank, self.outer)
         self.scheduler = job.scheduler_fn(spec.world_size) if job.scheduler_fn else None
         self.lr_scale = 1.0 + (spec.world_size - 1) * job.lr_scale_ratio
         hello = Hello(
@@ -274,31 +412,37 @@ class _Rank:
             liveness_timeout_s=spec.liveness_timeout_s,
             connect_timeout_s=spec.connect_timeout_s,
         )
-        accept = self.bridge.start()
-        try:
-            return self._train(accept)
-        finally:
-            self._close()
+        return self.bridge.start()
 
-    def _train(self, accept: Accept) -> TrainedState:
+    def begin(self, accept: Accept) -> None:
+        """Wait for the cohort, connect the averaging backend, take rank 0's state."""
         # Training starts when every rank joined: the first frame after Accept says so (the
         # coordinator opens the initial-broadcast round before sending it).
         first = self._recv_blocking()
         self.deferred.append(first)
         self._connect_backend(accept)
         self._initial_broadcast()
-        try:
-            while True:
-                self._drain()
-                if self.pending_reduce is not None:
-                    self._reduce(self.pending_reduce)
-                    continue
-                if self.waiting_update or self.throttled or not self._has_work():
-                    self._handle(self._recv_blocking())
-                    continue
-                self._train_one()
-        except _Stop as stop:
-            return self._finish(stop.save_reason)
+
+    def batches(self) -> Iterator[list[torch.Tensor]]:
+        """Obey the coordinator between steps and yield each batch to train (LR set); the
+        consumer calls :meth:`after_step` before asking for the next. Ends by raising
+        :class:`RunStopped` when the coordinator ends the run."""
+        while True:
+            self._drain()
+            if self.pending_reduce is not None:
+                self._reduce(self.pending_reduce)
+                continue
+            if self.waiting_update or self.throttled or not self._has_work():
+                self._handle(self._recv_blocking())
+                continue
+            head = self.queue[0]
+            bs = self.job.batch_size
+            t0 = time.perf_counter()
+            batch = fetch_batch(self.job, head.picks[head.pos : head.pos + bs], self.device)
+            t1 = time.perf_counter()
+            self._apply_lr()
+            self._timing = (t0, t1)
+            yield batch
 
     def _connect_backend(self, accept: Accept) -> None:
         spec = self.spec
@@ -345,6 +489,9 @@ class _Rank:
                 self.client.reduce(0, self.params, 1.0 if root else 0.0, self.fbuffers, root)
             else:
                 self.collective.broadcast([p.data for p in self.params] + self.fbuffers, src=0)
+                if self.outer is not None and self.outer.prev is None:
+                    self.outer.apply(self.params)  # first window: prev_global = consensus
+            self._keep_consensus()
 
     # ------------------------------------------------------------------ control frames
     def _recv_blocking(self) -> CoordFrame:
@@ -389,32 +536,22 @@ class _Rank:
             case DeclareDead(rank=r, reason=why):
                 logger.info("rank %d: peer %d declared dead (%s)", self.spec.rank, r, why)
             case Shutdown():
-                raise _Stop(None)
+                raise RunStopped(None)
             case ShutdownWithSave(reason=reason):
-                raise _Stop(reason)
+                raise RunStopped(reason)
             case ExecuteEval(schedule_id=sid, epoch=epoch):
-                self._send(
-                    EvalResult(
-                        rank=self.spec.rank,
-                        schedule_id=sid,
-                        epoch=epoch,
-                        elapsed_ms=0.0,
-                        error="no eval_fn on this rank",
-                    )
-                )
+                self._run_eval(sid, epoch)
             case Checkpoint(version=v):
-                self._send(
-                    CheckpointResult(
-                        rank=self.spec.rank, version=v, elapsed_ms=0.0, error="no checkpoint_fn"
-                    )
-                )
-            case (
-                SetEpochCallbackRole()
-                | EpochAggregated()
-                | EvalBroadcast()
-                | CoordHeartbeat()
-                | SaveConsensusModel()
-            ):
+                self._run_checkpoint_fn(v)
+            case SaveConsensusModel():
+                self._save_bundle(frame)
+            case SetEpochCallbackRole(rank=r):
+                self.epoch_role = r
+            case EpochAggregated(metrics=m):
+                self._run_epoch_fn(m.epoch)
+            case EvalBroadcast(epoch=e, metric=v):
+                self.last_eval = (e, v)
+            case CoordHeartbeat():
                 pass
             case _:
                 logger.debug("rank %d ignores %s", self.spec.rank, frame.kind)
@@ -436,18 +573,139 @@ class _Rank:
     def _has_work(self) -> bool:
         return bool(self.queue)
 
-    # ------------------------------------------------------------------ training
-    def _train_one(self) -> None:
-        job, bs = self.job, self.job.batch_size
-        head = self.queue[0]
+    # ------------------------------------------------------------------ callbacks and saves
+    @contextlib.contextmanager
+    def _consensus_model(self) -> Iterator[torch.nn.Module]:
+        """The model holding the last consensus (not this rank's local drift), in eval mode;
+        restored afterwards."""
+        model, backup = self.model, None
+        with torch.no_grad():
+            if self.consensus is not None:
+                backup = [p.detach().clone() for p in self.params]
+                for p, c in zip(self.params, self.consensus, strict=True):
+                    p.copy_(c)
+        was_training = model.training
+        model.eval()
+        try:
+            yield model
+        finally:
+            model.train(was_training)
+            if backup is not None:
+                with torch.no_grad():
+                    for p, b in zip(self.params, backup, strict=True):
+                        p.copy_(b)
+
+    def _run_epoch_fn(self, epoch: int) -> None:
+        fn = self.job.epoch_fn
+        if fn is None or self.epoch_role != self.spec.rank:
+            return
+        _, ms, _ = timed_callback(f"epoch_fn (epoch {epoch})", lambda: fn(epoch, self.model))
+        self._send(EpochFnElapsed(rank=self.spec.rank, epoch=epoch, elapsed_ms=ms))
+
+    def _run_eval(self, schedule_id: int, epoch: int) -> None:
+        fn, metric, ms = self.job.eval_fn, None, 0.0
+        error: str | None = "no eval_fn on this rank"
+        if fn is not None:
+            with self._consensus_model() as model:
+                value, ms, error = timed_callback(
+                    f"eval_fn (epoch {epoch})", lambda: fn(model, self.job.eval_dataset)
+                )
+            if error is None:
+                try:
+                    metric = float(value)
+                except (TypeError, ValueError):
+                    error = f"eval_fn returned {type(value).__name__}, not a number"
+                else:
+                    if not math.isfinite(metric):
+                        metric, error = None, f"eval_fn returned {value!r}"
+        self._send(
+            EvalResult(
+                rank=self.spec.rank,
+                schedule_id=schedule_id,
+                epoch=epoch,
+                metric=metric,
+                elapsed_ms=ms,
+                error=error,
+            )
+        )
+
+    def _run_checkpoint_fn(self, version: int) -> None:
+        fn, ms = self.job.checkpoint_fn, 0.0
+        error: str | None = "no checkpoint_fn on this rank"
+        if fn is not None:
+            with self._consensus_model() as model:
+                _, ms, error = timed_callback(
+                    f"checkpoint_fn (epoch {version})", lambda: fn(version, model)
+                )
+        self._send(
+            CheckpointResult(rank=self.spec.rank, version=version, elapsed_ms=ms, error=error)
+        )
+
+    def _save_bundle(self, frame: SaveConsensusModel) -> None:
+        """This rank's part of a bundle: its optimizer state; the model (and the collective
+        outer state) when it is the target."""
         t0 = time.perf_counter()
-        batch = fetch_batch(job, head.picks[head.pos : head.pos + bs], self.device)
-        t1 = time.perf_counter()
-        self._apply_lr()
-        scalars: dict[str, list[float]] = {}
-        loss_v = optimizer_step(job, self.model, self.optim, batch, scalars, self.step + 1)
-        if job.step_hook is not None:
-            job.step_hook(self.spec.rank, self.step + 1)
+        wrote, errors = False, []
+        stem, rank = self.job.save_path, self.spec.rank
+        if stem is None:
+            errors.append("no save_path on this rank")
+        else:
+            if frame.target_rank == rank:
+                try:
+                    checkpoint.save_model(
+                        stem,
+                        self.consensus if self.consensus is not None else self.params,
+                        list(self.model.buffers()),
+                        signature=model_signature(self.model),
+                        global_step=frame.global_step,
+                        sync_round=frame.sync_round,
+                        epoch=frame.epoch,
+                    )
+                    wrote = True
+                    if self.outer is not None and self.outer.state():
+                        checkpoint.save_outer(
+                            stem, self.outer.state(), global_step=frame.global_step
+                        )
+                except Exception as exc:  # a failed save never kills training
+                    logger.exception("rank %d: saving bundle %d failed", rank, frame.version)
+                    errors.append(f"{type(exc).__name__}: {exc}")
+            try:
+                checkpoint.save_optim(
+                    stem,
+                    rank,
+                    self.optim.state_dict(),
+                    global_step=frame.global_step,
+                    sync_round=frame.sync_round,
+                )
+            except Exception as exc:
+                logger.exception("rank %d: saving its optimizer state failed", rank)
+                errors.append(f"optimizer state: {type(exc).__name__}: {exc}")
+        self._send(
+            BundleSaved(
+                rank=rank,
+                version=frame.version,
+                model=wrote,
+                elapsed_ms=(time.perf_counter() - t0) * 1000.0,
+                error="; ".join(errors)[:4000] or None,
+            )
+        )
+
+    def _keep_consensus(self) -> None:
+        if not self.job.keeps_consensus:
+            return
+        with torch.no_grad():
+            if self.consensus is None:
+                self.consensus = [p.detach().clone() for p in self.params]
+            else:
+                for c, p in zip(self.consensus, self.params, strict=True):
+                    c.copy_(p)
+
+    # ------------------------------------------------------------------ training
+    def after_step(self, loss_v: float, scalars: dict[str, list[float]]) -> None:
+        """Account the step of the batch :meth:`batches` yielded last and report it."""
+        bs = self.job.batch_size
+        head = self.queue[0]
+        t0, t1 = self._timing
         t2 = time.perf_counter()
         self.step += 1
         self.window_steps += 1
@@ -518,15 +776,22 @@ class _Rank:
             pre = [p.detach().clone() for p in self.params]
             if self.client is not None:
                 total, _ = self.client.reduce(cycle, self.params, weight, self.fbuffers, n > 0)
+                if total > 0:
+                    # evals, checkpoints and the final state use the consensus, never one
+                    # rank's elastic blend or local drift
+                    self._keep_consensus()
                 alpha = self.el.easgd_alpha
                 if alpha is not None and alpha < 1.0 and total > 0:
-                    # keep the consensus: evals, checkpoints and the final state use it,
-                    # never one rank's elastic blend
-                    self.consensus = [p.detach().clone() for p in self.params]
                     for p, old in zip(self.params, pre, strict=True):
                         p.mul_(alpha).add_(old, alpha=1.0 - alpha)
             else:
-                self._collective_reduce(weight, n > 0, pre)
+                total = self._collective_reduce(weight, n > 0, pre)
+                if total > 0:  # nothing realized: everyone keeps its state, no outer step
+                    if self.outer is not None:
+                        self.outer.apply(self.params)
+                    self._keep_consensus()
+            if self.job.outer.resets_inner:
+                self.optim.state = defaultdict(dict)  # DiLoCo: a fresh inner optimizer
             d, pre_norm, post_norm = divergence(pre, self.params)
         self._send(
             SyncAck(
@@ -543,12 +808,13 @@ class _Rank:
         if self.client is not None and self.el.policy != "async":
             self.waiting_update = True
 
-    def _collective_reduce(self, weight: float, mover: bool, pre: list[torch.Tensor]) -> None:
+    def _collective_reduce(self, weight: float, mover: bool, pre: list[torch.Tensor]) -> float:
+        """The weighted all-reduce (redone after a re-formation); returns the total weight."""
         while True:
             try:
-                self.collective.weighted_average([p.data for p in self.params], weight)
+                total = self.collective.weighted_average([p.data for p in self.params], weight)
                 self.collective.average_buffers(self.fbuffers, mover)
-                return
+                return float(total)
             except CollectiveFailed as exc:
                 logger.warning(
                     "rank %d: collective failed (%s); waiting for a new session",
@@ -565,8 +831,8 @@ class _Rank:
         held: list[CoordFrame] = []
         while self.session == start:
             frame = self._recv_blocking()
-            if isinstance(frame, NewSession):
-                self._handle(frame)
+            if isinstance(frame, NewSession | SaveConsensusModel):
+                self._handle(frame)  # a save needs no collective: never hold it back
             elif isinstance(frame, Shutdown | ShutdownWithSave):
                 self.deferred.extendleft(reversed(held))
                 self._handle(frame)
@@ -588,7 +854,7 @@ class _Rank:
         self._send(Exiting(rank=self.spec.rank))
         return state
 
-    def _close(self) -> None:
+    def close(self) -> None:
         for closer in (
             getattr(self.client, "close", None),
             getattr(self.collective, "destroy", None),
@@ -613,7 +879,7 @@ def run_rank(spec: RankSpec, job: TrainJob) -> TrainedState:
         Exception: anything ``train_step`` or the model raised (a death record was written).
     """
     try:
-        return _Rank(spec, job).run()
+        return RankLoop(spec, job).run()
     except BaseException as exc:
         if spec.stem is not None and not isinstance(exc, KeyboardInterrupt):
             kind = "coordinator lost" if isinstance(exc, CoordinatorLost) else type(exc).__name__

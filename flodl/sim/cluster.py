@@ -48,6 +48,7 @@ from flodl.coord.machine import Coordinator, RunPhase
 from flodl.errors import FlodlError
 from flodl.wire.frames import (
     Batch,
+    BundleSaved,
     DeclareDead,
     EpochFnElapsed,
     EpochMetrics,
@@ -60,6 +61,7 @@ from flodl.wire.frames import (
     NewSession,
     RankFrame,
     RequestParams,
+    SaveConsensusModel,
     SetEpochCallbackRole,
     Shutdown,
     ShutdownWithSave,
@@ -395,6 +397,9 @@ class SimCluster:
                 r.throttled = True
             case DeclareDead():
                 pass
+            case SaveConsensusModel(target_rank=target, version=version):
+                saved = BundleSaved(rank=r.rank, version=version, model=target == r.rank)
+                self._to_coord(saved, self.now + self._delay())
             case NewSession(session=session, ranks=members):
                 r.session = session
                 r.members = tuple(members)

@@ -53,6 +53,7 @@ __all__ = [
     "Intent",
     "EvalResult",
     "CheckpointResult",
+    "BundleSaved",
     "EpochFnElapsed",
     "ResourceSample",
     "Exiting",
@@ -301,6 +302,18 @@ class CheckpointResult(_Frame):
     error: Text | None = None
 
 
+class BundleSaved(_Frame):
+    """A rank wrote its part of checkpoint bundle ``version`` (``model``: it wrote the
+    ``.fdl``); ``error`` says why it could not."""
+
+    kind: Literal["bundle_saved"] = "bundle_saved"
+    rank: RankId
+    version: Count
+    model: bool = False
+    elapsed_ms: Millis = 0.0
+    error: Text | None = None
+
+
 class EpochFnElapsed(_Frame):
     kind: Literal["epoch_fn_elapsed"] = "epoch_fn_elapsed"
     rank: RankId
@@ -442,9 +455,17 @@ class Checkpoint(_Frame):
 
 
 class SaveConsensusModel(_Frame):
+    """Write the checkpoint bundle ``version``: every rank writes its ``<stem>.rank<N>.optim``,
+    ``target_rank`` also the consensus model ``<stem>.fdl`` (and, collective modes, the outer
+    optimizer state); each answers ``bundle_saved``. ``global_step``/``sync_round`` are stamped
+    into the files so a resume can tell they belong to the meta of the same save."""
+
     kind: Literal["save_consensus_model"] = "save_consensus_model"
     target_rank: RankId
     version: Count = 0
+    global_step: Count = 0
+    sync_round: Count = 0
+    epoch: Count = 0
 
 
 class ExecuteEval(_Frame):
@@ -518,6 +539,7 @@ RankFrame = (
     | Intent
     | EvalResult
     | CheckpointResult
+    | BundleSaved
     | EpochFnElapsed
     | ResourceSample
     | Exiting

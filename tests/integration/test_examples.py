@@ -81,3 +81,19 @@ def test_cluster_file_example_with_flodl_launch() -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "done: 4 parameter tensors, world 3" in out.stdout
+
+
+@pytest.mark.timeout(160)
+def test_cooperative_worker_example_saves_and_resumes(tmp_path: Path) -> None:
+    stem = str(tmp_path / "ckpt")
+    first = run(sys.executable, "examples/cooperative_worker.py", "--epochs", "1", "--save", stem)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "eval after epoch 1:" in first.stdout
+    assert "done: 4 parameter tensors, world 2" in first.stdout
+    again = run(
+        sys.executable,
+        "examples/cooperative_worker.py",
+        *("--epochs", "2", "--save", stem, "--resume", stem),
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "eval after epoch 2:" in again.stdout and "eval after epoch 0" not in again.stdout

@@ -36,6 +36,7 @@ from flodl.coord.machine import META_SCHEMA_VERSION, Coordinator, RunPhase
 from flodl.wire.frames import (
     Accept,
     Batch,
+    BundleSaved,
     CoordHeartbeat,
     DeclareDead,
     EpochPlan,
@@ -48,6 +49,7 @@ from flodl.wire.frames import (
     RankExited,
     Reject,
     RequestParams,
+    SaveConsensusModel,
     SetEpochCallbackRole,
     SetGlobalStep,
     Shutdown,
@@ -192,6 +194,8 @@ class Cluster:
                 self.session[r], self.members[r] = s, tuple(members)
                 if self.in_reduce[r] is not None:
                     self._enter_collective(r, self.in_reduce[r])
+            case SaveConsensusModel(target_rank=target, version=v):
+                self.feed(BundleSaved(rank=r, version=v, model=target == r))
             case Shutdown() | ShutdownWithSave():
                 self.out.add(r)
                 self.feed(Exiting(rank=r))
@@ -233,6 +237,16 @@ def of(effects: Sequence[Any], kind: type) -> list[Any]:
 
 def sends(effects: Sequence[Any], kind: type) -> list[tuple[int, Any]]:
     return [(e.rank, e.frame) for e in effects if isinstance(e, Send) and isinstance(e.frame, kind)]
+
+
+def commit_bundles(c: Cluster, effects: Sequence[Any]) -> list[WriteMeta]:
+    """Answer the bundle requests in ``effects`` as the writer rank would; the metas written."""
+    metas: list[WriteMeta] = []
+    for rank, frame in sends(effects, SaveConsensusModel):
+        if frame.target_rank == rank:
+            done = c.feed(BundleSaved(rank=rank, version=frame.version, model=True))
+            metas += of(done, WriteMeta)
+    return metas
 
 
 def plan(offset: int, size: int, epoch: int = 0, *, tail: bool = False) -> EpochPlan:
@@ -681,7 +695,7 @@ def test_cpu_death_sends_no_session_frames() -> None:
 
 @pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_cadence"])
 def test_stall_ceiling_at_exactly_300s(mode: str) -> None:
-    c = joined(mode, dataset_len=1280)
+    c = joined(mode, dataset_len=1280, save_bundles=True)
     for s in range(1, 11):
         c.feed(batch(0, s))
         c.feed(batch(1, s))
@@ -706,9 +720,12 @@ def test_stall_ceiling_at_exactly_300s(mode: str) -> None:
         assert "[1]" in alerts[0].detail
     stops = sends(effects, ShutdownWithSave)
     assert [(r, f.reason) for r, f in stops] == [(0, "reduce_stall"), (1, "reduce_stall")]
-    metas = of(effects, WriteMeta)
+    assert of(effects, WriteMeta) == []  # the meta waits for the model file
+    bundle = sends(effects, SaveConsensusModel)
+    assert [r for r, _ in bundle] == [0, 1]  # every rank saves its part, before stopping
+    assert effects.index(Send(0, bundle[0][1])) < effects.index(Send(0, stops[0][1]))
+    metas = commit_bundles(c, effects)
     assert len(metas) == 1 and metas[0].meta["save_reason"] == "reduce_stall"
-    assert effects.index(metas[0]) < effects.index(Send(0, stops[0][1]))  # meta first
     assert of(effects, RankDead) == []
     c.clock.advance_to(301.0)
     heartbeat_all(c, (0, 1))
@@ -722,7 +739,13 @@ def test_stall_ceiling_at_exactly_300s(mode: str) -> None:
 
 
 def test_max_failure_absolute_broadcasts_one_shutdown_with_save() -> None:
-    c = joined("cpu_cadence", world_size=3, dataset_len=3200, max_failure=MaxFailure(absolute=1))
+    c = joined(
+        "cpu_cadence",
+        world_size=3,
+        dataset_len=3200,
+        max_failure=MaxFailure(absolute=1),
+        save_bundles=True,
+    )
     effects = c.kill(1)
     stops = sends(effects, ShutdownWithSave)
     assert [(r, f.reason) for r, f in stops] == [
@@ -730,7 +753,7 @@ def test_max_failure_absolute_broadcasts_one_shutdown_with_save() -> None:
         (2, "max_failure_exceeded"),
     ]
     assert "1 of 3" in stops[0][1].detail
-    metas = of(effects, WriteMeta)
+    metas = commit_bundles(c, effects)
     assert len(metas) == 1 and metas[0].meta["save_reason"] == "max_failure_exceeded"
     assert c.coord.phase is RunPhase.SHUTDOWN
     second = c.kill(2)
@@ -748,18 +771,21 @@ def test_max_failure_absolute_broadcasts_one_shutdown_with_save() -> None:
 
 
 def test_collective_with_two_ranks_stops_on_single_survivor() -> None:
-    c = joined("nccl_cadence")
+    c = joined("nccl_cadence", save_bundles=True)
     effects = c.kill(1)
     assert [(r, f.reason) for r, f in sends(effects, ShutdownWithSave)] == [(0, "single_survivor")]
     assert sends(effects, NewSession) == []
-    assert [m.meta["save_reason"] for m in of(effects, WriteMeta)] == ["single_survivor"]
+    metas = commit_bundles(c, effects)
+    assert [m.meta["save_reason"] for m in metas] == ["single_survivor"]
 
 
 def test_cpu_losing_every_rank_is_all_ranks_lost() -> None:
-    c = joined("cpu_cadence")
+    c = joined("cpu_cadence", save_bundles=True)
     assert sends(c.kill(0), ShutdownWithSave) == []  # CPU goes on with one rank
     effects = c.kill(1)
-    assert [m.meta["save_reason"] for m in of(effects, WriteMeta)] == ["all_ranks_lost"]
+    # no rank left to write the model: no meta, the previous checkpoint stays the resume point
+    assert of(effects, WriteMeta) == []
+    assert any(a.cls == "checkpoint_failed" for a in of(effects, Alert))
     assert of(effects, RunOver) == [
         RunOver(ok=False, reason="run stopped: all_ranks_lost", save_reason="all_ranks_lost")
     ]
@@ -911,7 +937,7 @@ def test_meta_record_shape() -> None:
 
 
 def test_meta_written_at_the_end_of_a_clean_run() -> None:
-    c = joined("cpu_cadence")
+    c = joined("cpu_cadence", save_bundles=True)
     c.run()
     metas = of(c.trace, WriteMeta)
     assert [m.meta["save_reason"] for m in metas] == ["graceful_shutdown"]
@@ -927,7 +953,7 @@ def test_meta_written_at_the_end_of_a_clean_run() -> None:
 
 @pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_sync"])
 def test_a_wedged_cohort_ends_in_shutdown_with_save_at_the_stall_ceiling(mode: str) -> None:
-    c = joined(mode)
+    c = joined(mode, save_bundles=True)
     start = c.clock.now
     # Ranks stay alive (heartbeats every second) but never train: a stuck data loader, say.
     while c.clock.now < start + 299.0:
@@ -947,7 +973,7 @@ def test_a_wedged_cohort_ends_in_shutdown_with_save_at_the_stall_ceiling(mode: s
     saves = [s for s in of(effects, Send) if isinstance(s.frame, ShutdownWithSave)]
     assert sorted(s.rank for s in saves) == [0, 1]
     assert {s.frame.reason for s in saves} == {"reduce_stall"}
-    assert len(of(effects, WriteMeta)) == 1
+    assert len(commit_bundles(c, effects)) == 1
     # it fires once
     c.clock.advance(1.0)
     assert of(c.tick(), Alert) == []

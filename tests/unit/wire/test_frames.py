@@ -31,6 +31,7 @@ from flodl.wire.frames import (
     Accept,
     ArmConsensusEval,
     Batch,
+    BundleSaved,
     Checkpoint,
     CheckpointResult,
     CoordFrame,
@@ -163,6 +164,9 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
     "checkpoint_result": lambda: CheckpointResult(
         rank=1, version=4, elapsed_ms=150.0, error="disk full"
     ),
+    "bundle_saved": lambda: BundleSaved(
+        rank=1, version=7, model=True, elapsed_ms=42.0, error="read-only file system"
+    ),
     "epoch_fn_elapsed": lambda: EpochFnElapsed(rank=2, epoch=6, elapsed_ms=33.25),
     "resource_sample": lambda: ResourceSample(
         rank=3,
@@ -207,7 +211,9 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
         session=2, store_prefix="session-2/", new_rank=1, new_world_size=3, ranks=[0, 2, 5]
     ),
     "checkpoint": lambda: Checkpoint(version=4, target_rank=1),
-    "save_consensus_model": lambda: SaveConsensusModel(target_rank=2, version=9),
+    "save_consensus_model": lambda: SaveConsensusModel(
+        target_rank=2, version=9, global_step=1200, sync_round=40, epoch=3
+    ),
     "execute_eval": lambda: ExecuteEval(
         schedule_id=6, epoch=3, target_rank=1, adopt_consensus=True
     ),

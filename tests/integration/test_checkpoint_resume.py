@@ -1,0 +1,239 @@
+"""Checkpoints, resume and callbacks end to end: real launcher, real rank processes, real files.
+
+Every run is ``callbacks_main.py`` (the user's script) in a subprocess; ranks log the sample ids
+of every batch they train, so the tests can check per-epoch coverage against the bundle's meta.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from flodl import checkpoint
+from flodl.coord.chunks import epoch_slice, index_space, permutation
+
+pytestmark = pytest.mark.integration
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "callbacks_main.py"
+REPO = HERE.parents[1]
+BS = 32
+SEED = 42
+
+
+def run(tmp: Path, name: str, *args: str, limit_s: float = 150) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(
+        [
+            *(sys.executable, str(SCRIPT), "--tag", f"flodl-test-{uuid.uuid4().hex}"),
+            *("--log-dir", str(tmp / name), *args),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=limit_s,
+        cwd=REPO,
+        env={**os.environ, "FLODL_NET_TIMEOUT_SCALE": "0.2"},
+    )
+    (tmp / f"{name}.stdout").write_text(out.stdout)
+    (tmp / f"{name}.stderr").write_text(out.stderr)
+    return out
+
+
+def metrics(stdout: str) -> list[dict[str, Any]]:
+    return [json.loads(line[8:]) for line in stdout.splitlines() if line.startswith("METRICS ")]
+
+
+def done(stdout: str) -> dict[str, Any]:
+    lines = [line for line in stdout.splitlines() if line.startswith("DONE ")]
+    assert len(lines) == 1, stdout[-2000:]
+    result: dict[str, Any] = json.loads(lines[0][5:])
+    return result
+
+
+def rank_batches(log_dir: Path, rank: int) -> list[list[int]]:
+    path = log_dir / f"rank{rank}.ids"
+    if not path.exists():
+        return []
+    return [[int(i) for i in line.split(",")] for line in path.read_text().splitlines() if line]
+
+
+def split_epochs(log_dir: Path, ms: Sequence[dict[str, Any]], world: int) -> dict[int, list[int]]:
+    """Sample ids trained per epoch (each rank's batches are in order; cadence never hands a
+    rank a step across an epoch barrier, so its log splits by its per-epoch sample counts)."""
+    out: dict[int, list[int]] = {m["epoch"]: [] for m in ms}
+    for r in range(world):
+        batches = rank_batches(log_dir, r)
+        pos = 0
+        for m in ms:
+            n = m["per_rank_samples"][r] // BS
+            for b in batches[pos : pos + n]:
+                out[m["epoch"]].extend(b)
+            pos += n
+    return out
+
+
+def epoch_ids(samples: int, epoch: int, ranges: Sequence[Sequence[int]]) -> list[int]:
+    space = index_space(samples, 1)
+    data_pass, start, _ = epoch_slice(epoch, space, 1)
+    perm = permutation(space, data_pass, SEED)
+    return [perm[start + i] for o, n in ranges for i in range(o, o + n)]
+
+
+def final_matches_bundle(out_file: Path, stem: Path) -> bool:
+    saved = checkpoint.load_model(stem)
+    state = torch.load(out_file, weights_only=True)
+    return all(torch.equal(a, b) for a, b in zip(saved.params, state["params"], strict=True))
+
+
+@pytest.mark.timeout(240)
+def test_shutdown_with_save_then_resume_trains_each_uncovered_sample_once(tmp_path: Path) -> None:
+    n, stem = 8192, tmp_path / "ck"
+    common = ["--ranks", "3", "--epochs", "3", "--samples", str(n), "--max-anchor", "10"]
+    # Run A: rank 2 fails mid epoch 1; max_failure=1 ends the run with a save.
+    a = run(
+        tmp_path,
+        "a",
+        *common,
+        "--save",
+        str(stem),
+        "--max-failure-abs",
+        "1",
+        "--crash-rank",
+        "2",
+        "--crash-step",
+        "130",
+    )
+    assert a.returncode == 0, a.stderr[-3000:]
+    assert done(a.stdout)["save_reason"] == "max_failure_exceeded"
+    meta = checkpoint.read_meta(stem, world_size=3)
+    assert meta.save_reason == "max_failure_exceeded"
+    assert meta.coverage is not None
+    [interrupted] = meta.coverage.per_epoch
+    e = interrupted.epoch
+    uncovered = [list(r) for r in interrupted.uncovered_ranges]
+    todo = epoch_ids(n, e, uncovered)
+    assert 0 < len(todo) < n, "the failure must land mid-epoch for this test"
+    assert meta.elche_state is not None and meta.elche_state["phase"] != "probe"
+    assert checkpoint.load_model(stem).global_step == meta.global_step
+    ma = [m for m in metrics(a.stdout) if m["epoch"] < e]
+    trained_a = split_epochs(tmp_path / "a", ma, 3)
+    for epoch in range(e):
+        assert sorted(trained_a[epoch]) == list(range(n))  # finished epochs: exactly once
+    assert (tmp_path / "ck.rank2.death.json").exists()
+
+    # Run B resumes: the interrupted epoch trains only its uncovered samples, once each.
+    b = run(
+        tmp_path,
+        "b",
+        *common,
+        "--save",
+        str(stem),
+        "--resume",
+        str(stem),
+        "--out",
+        str(tmp_path / "b.pt"),
+    )
+    assert b.returncode == 0, b.stderr[-3000:]
+    assert done(b.stdout)["save_reason"] is None
+    mb = metrics(b.stdout)
+    assert [m["epoch"] for m in mb] == list(range(e, 3))
+    trained_b = split_epochs(tmp_path / "b", mb, 3)
+    assert sorted(trained_b[e]) == sorted(todo)  # the uncovered ranges, each sample once
+    assert len(trained_b[e]) == len(set(trained_b[e]))
+    for epoch in range(e + 1, 3):
+        assert sorted(trained_b[epoch]) == list(range(n))
+    end = checkpoint.read_meta(stem, world_size=3)
+    assert end.epoch == 3 and end.coverage is not None and end.coverage.per_epoch == []
+    assert end.global_step > meta.global_step
+    assert end.elche_state is not None
+    assert end.elche_state["calibration_count"] > meta.elche_state["calibration_count"]
+    assert final_matches_bundle(tmp_path / "b.pt", stem)  # the end-of-run bundle = the result
+
+    # A resume with another world size is refused before anything starts.
+    c = run(
+        tmp_path, "c", "--ranks", "2", "--epochs", "3", "--samples", str(n), "--resume", str(stem)
+    )
+    assert c.returncode != 0
+    assert "world size" in c.stderr and "CheckpointError" in c.stderr
+
+
+def _wait_for(proc: subprocess.Popen[str], pattern: str, limit_s: float) -> list[str]:
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if re.search(pattern, line):
+            return lines
+    raise AssertionError(f"{pattern!r} not seen: {''.join(lines)[-2000:]}")
+
+
+def _processes_with(tag: str) -> list[str]:
+    out = subprocess.run(
+        ["ps", "-ww", "-eo", "pid,args"], check=False, capture_output=True, text=True
+    )
+    return [line for line in out.stdout.splitlines() if tag in line and "ps -ww" not in line]
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_of_the_launcher_then_resume_from_the_last_epoch_checkpoint(
+    tmp_path: Path,
+) -> None:
+    n, stem, tag = 4096, tmp_path / "ck", f"flodl-test-{uuid.uuid4().hex}"
+    args = ["--ranks", "2", "--epochs", "4", "--samples", str(n), "--save", str(stem)]
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, str(SCRIPT), "--tag", tag, "--log-dir", str(tmp_path / "a")),
+            *(*args, "--checkpoint-every", "1", "--slow", "0:3,1:3"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "FLODL_NET_TIMEOUT_SCALE": "0.1"},
+    )
+    try:
+        seen = _wait_for(proc, r'^METRICS \{"epoch":1,', 120)
+        time.sleep(0.3)  # let the checkpoint after epoch 1 land
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        assert proc.stdout is not None
+        proc.stdout.close()
+    # the ranks notice their coordinator is gone and exit on their own (liveness timeout)
+    deadline = time.monotonic() + 30
+    while _processes_with(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_with(tag) == []
+    deaths = checkpoint.death_records(stem)
+    assert {d.rank for d in deaths} <= {0, 1}
+    assert all("coordinator" in d.error for d in deaths)
+    meta = checkpoint.read_meta(stem, world_size=2)
+    assert meta.epoch >= 2  # the checkpoints after epochs 0 and 1 at least
+    finished = [json.loads(s[8:])["epoch"] for s in seen if s.startswith("METRICS ")]
+    assert meta.epoch <= max(finished) + 2
+    b = run(tmp_path, "b", *args, "--resume", str(stem), "--out", str(tmp_path / "b.pt"))
+    assert b.returncode == 0, b.stderr[-3000:]
+    mb = metrics(b.stdout)
+    assert [m["epoch"] for m in mb] == list(range(meta.epoch, 4))
+    trained = split_epochs(tmp_path / "b", mb, 2)
+    for epoch in range(meta.epoch, 4):
+        assert sorted(trained[epoch]) == list(range(n))
+    assert final_matches_bundle(tmp_path / "b.pt", stem)
