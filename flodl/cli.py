@@ -12,10 +12,14 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import flodl
 from flodl.config import MODES
 from flodl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from flodl.outer import OuterConfig
 
 __all__ = ["build_parser", "main"]
 
@@ -69,7 +73,41 @@ def _add_coord(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--mode", default="nccl_cadence", help=f"one of {', '.join(MODES)}")
     p.add_argument("--heartbeat-timeout", type=float, default=30.0)
+    p.add_argument("--seed", type=int, default=42, help="shuffle seed (the ranks' `seed`)")
+    p.add_argument("--save-path", help="bundle stem: the coordinator writes <stem>.meta.json")
+    p.add_argument("--resume-from", help="bundle stem to resume from")
+    p.add_argument("--checkpoint-every", type=int, help="save a bundle every N epochs")
+    p.add_argument("--checkpoint-fn", action="store_true", help="the ranks set checkpoint_fn")
+    p.add_argument("--epoch-fn", action="store_true", help="the ranks set epoch_fn")
+    p.add_argument("--eval", action="store_true", help="the ranks set eval_fn")
+    p.add_argument("--eval-every", type=int, help="eval every N epochs (default: every epoch)")
+    p.add_argument(
+        "--outer",
+        default="avg",
+        help="outer optimizer: avg, slow_momentum:LR:MU or nesterov:LR:MU (CPU modes apply it "
+        "here; it must match the ranks' outer_optimizer)",
+    )
     p.set_defaults(command=_run_coord)
+
+
+def parse_outer(text: str) -> OuterConfig:
+    """``avg`` | ``slow_momentum:LR:MU`` | ``nesterov:LR:MU`` (LR, MU optional).
+
+    Raises:
+        ConfigError: an unknown kind or a bad number.
+    """
+    from flodl.config import validated
+    from flodl.outer import OuterConfig
+
+    kind, *nums = text.split(":")
+    if kind not in ("avg", "slow_momentum", "nesterov") or len(nums) > 2:
+        raise ConfigError(f"--outer {text!r}: expected avg, slow_momentum:LR:MU or nesterov:LR:MU")
+    defaults = {"avg": (1.0, 0.0), "slow_momentum": (1.0, 0.9), "nesterov": (0.7, 0.9)}[kind]
+    try:
+        values = [float(v) for v in nums] + list(defaults[len(nums) :])
+    except ValueError:
+        raise ConfigError(f"--outer {text!r}: LR and MU must be numbers") from None
+    return validated(OuterConfig, kind=kind, lr=values[0], mu=values[1])
 
 
 def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -151,9 +189,12 @@ def _load_or_create_secret(path: str) -> bytes:
 
 
 def _run_coord(args: argparse.Namespace) -> int:
-
+    from flodl import checkpoint
     from flodl.config import CoordConfig, ElCheConfig, validated
-    from flodl.coord.service import CoordinatorService
+    from flodl.coord.effects import BundleRequested, WriteMeta
+    from flodl.coord.server import LoggingSink
+    from flodl.coord.service import BundleWriter, CoordinatorService, resume_from_bundle
+    from flodl.errors import CheckpointError
 
     try:
         cfg = validated(
@@ -162,12 +203,25 @@ def _run_coord(args: argparse.Namespace) -> int:
             dataset_len=args.dataset_len,
             batch_size=args.batch_size,
             num_epochs=args.epochs,
+            seed=args.seed,
             elche=ElCheConfig.preset(args.mode),
             heartbeat_timeout_s=args.heartbeat_timeout,
             run_id=args.run_id,
+            save_bundles=args.save_path is not None,
+            checkpoint_every=args.checkpoint_every,
+            has_checkpoint_fn=args.checkpoint_fn,
+            has_epoch_fn=args.epoch_fn,
+            has_eval=args.eval or args.eval_every is not None,
+            eval_every=args.eval_every,
         )
+        outer = parse_outer(args.outer)
         secret = _load_or_create_secret(args.secret_file)
-    except ConfigError as exc:
+        resume, outer_state = None, None
+        if args.resume_from:
+            resume, outer_state = resume_from_bundle(
+                checkpoint.normalize_stem(args.resume_from), cfg
+            )
+    except (ConfigError, CheckpointError) as exc:
         print(f"flodl coord: error: {exc}", file=sys.stderr)
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -178,7 +232,32 @@ def _run_coord(args: argparse.Namespace) -> int:
         )
 
     async def serve() -> int:
-        service = CoordinatorService(cfg, secret, host=args.host, port=args.port)
+        stem = checkpoint.normalize_stem(args.save_path) if args.save_path else None
+
+        class CoordSink(LoggingSink):
+            """Logged, plus the coordinator's part of bundles."""
+
+            def __init__(self, bundles: BundleWriter) -> None:
+                self.bundles = bundles
+
+            def write_meta(self, effect: WriteMeta) -> None:
+                self.bundles.write_meta(effect)
+
+            def bundle_requested(self, effect: BundleRequested) -> None:
+                self.bundles.bundle_requested(effect)
+
+        sink = CoordSink(BundleWriter(stem))
+        service = CoordinatorService(
+            cfg,
+            secret,
+            host=args.host,
+            port=args.port,
+            sink=sink,
+            resume=resume,
+            outer=outer,
+            outer_state=outer_state,
+        )
+        sink.bundles.service = service
         port = await service.start()
         print(
             f"flodl coordinator for run {cfg.run_id!r} ({cfg.world_size} ranks, {args.mode}) on "

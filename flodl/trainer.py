@@ -54,9 +54,8 @@ from flodl.coord.effects import (
     RunOver,
     WriteMeta,
 )
-from flodl.coord.machine import ResumeState
 from flodl.data import as_batch_dataset
-from flodl.errors import CheckpointError, ConfigError, FlodlError
+from flodl.errors import ConfigError, FlodlError
 from flodl.launch.cluster import CLUSTER_ENV_VAR, Cluster, ClusterBuilder
 from flodl.local import LocalRun, LocalSchedule
 from flodl.outer import OuterConfig
@@ -704,44 +703,8 @@ def _record_hosts(cluster: Cluster) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _resume(
-    stem: str, coord_cfg: CoordConfig
-) -> tuple[ResumeState, dict[str, list[torch.Tensor]] | None]:
-    """The coordinator's side of ``resume_from``: the meta (checked against this run and the
-    model file), and the CPU outer state when there is one.
-
-    Raises:
-        CheckpointError: missing/corrupt files, another world size or seed, or a model file
-            from another save than the meta.
-    """
-    meta = checkpoint.read_meta(stem, world_size=coord_cfg.world_size)
-    state = checkpoint.resume_state(
-        meta,
-        seed=coord_cfg.seed,
-        batch_size=coord_cfg.batch_size,
-        epoch_splits=coord_cfg.epoch_splits,
-        total_epochs=coord_cfg.total_epochs,
-    )
-    bundle = checkpoint.load_model(stem)
-    if bundle.global_step != meta.global_step:
-        raise CheckpointError(
-            f"{stem}.fdl is from global step {bundle.global_step} but {stem}.meta.json from "
-            f"{meta.global_step}: the two come from different saves"
-        )
-    outer = None
-    if coord_cfg.elche.backend == "cpu":
-        try:
-            saved = checkpoint.load_outer(stem)
-        except CheckpointError as exc:
-            logger.warning("outer optimizer state not restored (%s): zero momentum", exc)
-            saved = None
-        if saved is not None and saved.global_step == meta.global_step:
-            outer = saved.state
-    return state, outer
-
-
 def _launch(job: TrainJob, c: TrainerConfig, cluster: Cluster) -> TrainerHandle:
-    from flodl.coord.service import BundleWriter, CoordinatorService
+    from flodl.coord.service import BundleWriter, CoordinatorService, resume_from_bundle
 
     world = cluster.world_size
     local_names = local_host_names()
@@ -774,7 +737,9 @@ def _launch(job: TrainJob, c: TrainerConfig, cluster: Cluster) -> TrainerHandle:
         save_bundles=job.save_path is not None,
         hosts=_record_hosts(cluster),
     )
-    resume, outer_state = _resume(job.resume_from, coord_cfg) if job.resume_from else (None, None)
+    resume, outer_state = (
+        resume_from_bundle(job.resume_from, coord_cfg) if job.resume_from else (None, None)
+    )
     secret = secrets.token_bytes(32)
     handle = TrainerHandle(world)
     bundles = BundleWriter(job.save_path)

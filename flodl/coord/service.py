@@ -15,9 +15,10 @@ from flodl.coord.machine import Coordinator, ResumeState
 from flodl.coord.reduce import ReduceServer
 from flodl.coord.server import CoordinatorServer, EffectSink
 from flodl.coord.store import StoreHost
+from flodl.errors import CheckpointError
 from flodl.outer import OuterConfig
 
-__all__ = ["CoordinatorService", "BundleWriter"]
+__all__ = ["CoordinatorService", "BundleWriter", "resume_from_bundle"]
 
 logger = logging.getLogger(__name__)
 
@@ -150,3 +151,39 @@ class BundleWriter:
             return
         self.written.append(str(effect.reason))
         logger.info("checkpoint %s saved (%s)", self.stem, effect.reason)
+
+
+def resume_from_bundle(
+    stem: str, coord_cfg: CoordConfig
+) -> tuple[ResumeState, dict[str, list[torch.Tensor]] | None]:
+    """The coordinator's side of ``resume_from``: the meta (checked against this run and the
+    model file), and the CPU outer state when there is one.
+
+    Raises:
+        CheckpointError: missing/corrupt files, another world size or seed, or a model file
+            from another save than the meta.
+    """
+    meta = checkpoint.read_meta(stem, world_size=coord_cfg.world_size)
+    state = checkpoint.resume_state(
+        meta,
+        seed=coord_cfg.seed,
+        batch_size=coord_cfg.batch_size,
+        epoch_splits=coord_cfg.epoch_splits,
+        total_epochs=coord_cfg.total_epochs,
+    )
+    bundle = checkpoint.load_model(stem)
+    if bundle.global_step != meta.global_step:
+        raise CheckpointError(
+            f"{stem}.fdl is from global step {bundle.global_step} but {stem}.meta.json from "
+            f"{meta.global_step}: the two come from different saves"
+        )
+    outer = None
+    if coord_cfg.elche.backend == "cpu":
+        try:
+            saved = checkpoint.load_outer(stem)
+        except CheckpointError as exc:
+            logger.warning("outer optimizer state not restored (%s): zero momentum", exc)
+            saved = None
+        if saved is not None and saved.global_step == meta.global_step:
+            outer = saved.state
+    return state, outer

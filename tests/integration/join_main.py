@@ -22,6 +22,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--mode", default="cpu_cadence")
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--save", help="bundle stem (save_path)")
+    p.add_argument("--resume", help="bundle stem (resume_from)")
     args = p.parse_args()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2048, 16, generator=g)
@@ -37,6 +39,8 @@ def main() -> None:
             batch_size=32,
             num_epochs=args.epochs,
             elche=ElCheConfig.preset(args.mode),
+            save_path=args.save,
+            resume_from=args.resume,
         ),
     )
     state = handle.join()

@@ -126,6 +126,64 @@ def test_ranks_started_by_hand_join_with_flodl_variables(tmp_path: Path) -> None
         stop(coord)
 
 
+@pytest.mark.timeout(150)
+def test_a_standalone_coordinator_saves_bundles_and_resumes(tmp_path: Path) -> None:
+    from flodl import checkpoint
+
+    stem = str(tmp_path / "ck")
+
+    def cohort(*args: str) -> None:
+        procs = []
+        for rank in range(2):
+            env = {
+                **os.environ,
+                "FLODL_COORD": address,
+                "FLODL_SECRET_FILE": str(tmp_path / "secret"),
+                "FLODL_RANK": str(rank),
+                "FLODL_WORLD_SIZE": "2",
+            }
+            cmd = [sys.executable, str(JOIN), "--out", str(tmp_path), "--save", stem, *args]
+            procs.append(subprocess.Popen(cmd, env=env))
+        try:
+            assert [p.wait(timeout=100) for p in procs] == [0, 0]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+    coord, address = start_coord(tmp_path, "--mode", "cpu_cadence", "--save-path", stem)
+    try:
+        cohort()
+        assert coord.wait(timeout=30) == 0
+    finally:
+        stop(coord)
+    meta = checkpoint.read_meta(stem, world_size=2)
+    assert meta.epoch == 2 and meta.save_reason == "graceful_shutdown"
+    saved = checkpoint.load_model(stem)
+    final = torch.load(tmp_path / "rank0.pt", weights_only=True)["params"]
+    assert all(torch.equal(a, b) for a, b in zip(saved.params, final, strict=True))
+    # resume with 4 epochs: the coordinator seeds from the meta, the ranks from the files
+    coord, address = start_coord(
+        tmp_path,
+        "--mode",
+        "cpu_cadence",
+        "--save-path",
+        stem,
+        "--resume-from",
+        stem,
+        "--epochs",
+        "4",
+    )
+    try:
+        cohort("--resume", stem, "--epochs", "4")
+        assert coord.wait(timeout=30) == 0
+    finally:
+        stop(coord)
+    end = checkpoint.read_meta(stem, world_size=2)
+    assert end.epoch == 4 and end.global_step == 2 * meta.global_step
+
+
 def test_a_world_readable_secret_file_is_refused(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_text("00" * 32)
