@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_coord(sub)
     _add_launch(sub)
     _add_sim(sub)
+    _add_records(sub)
+    _add_dashboard(sub)
     return parser
 
 
@@ -334,6 +336,88 @@ def _run_sim(args: argparse.Namespace) -> int:
         print(json.dumps({m: t.summary() for m, t in traces.items()}, indent=2))
     else:
         print(format_plan(rig, traces))
+    return 0
+
+
+def _add_records(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("records", help="read a run's record log (record_log directory)")
+    rsub = p.add_subparsers(dest="records_command", metavar="ACTION", required=True)
+    tail = rsub.add_parser(
+        "tail", help="print a node's last records, one JSON object a line (oldest first)"
+    )
+    tail.add_argument("dir", help="the record_log directory")
+    tail.add_argument("--path", default="root", help="node path: root, root/rank0, root/host…")
+    tail.add_argument("-n", type=int, default=20, help="how many records (default 20)")
+    tail.set_defaults(command=_run_records_tail)
+    paths = rsub.add_parser("paths", help="list the node paths of a record directory")
+    paths.add_argument("dir")
+    paths.set_defaults(command=_run_records_paths)
+
+
+def _run_records_tail(args: argparse.Namespace) -> int:
+    from flodl.monitor.records import RecordLog, paths, validate_path
+
+    try:
+        path = validate_path(args.path)
+        known = paths(args.dir)
+        if path not in known:
+            raise ConfigError(f"no node {path!r} in {args.dir} (nodes: {', '.join(known)})")
+        records = RecordLog.tail(args.dir, path, args.n)
+    except ConfigError as exc:
+        print(f"flodl records: error: {exc}", file=sys.stderr)
+        return 2
+    for rec in records:
+        print(json.dumps(rec, separators=(",", ":")))
+    return 0
+
+
+def _run_records_paths(args: argparse.Namespace) -> int:
+    from flodl.monitor.records import paths
+
+    try:
+        for path in paths(args.dir):
+            print(path)
+    except ConfigError as exc:
+        print(f"flodl records: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_dashboard(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "dashboard",
+        help="serve a saved record directory as a live dashboard, or save it as one HTML file",
+    )
+    p.add_argument("dir", help="the record_log directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0: any free port")
+    p.add_argument("--theme", choices=("light", "dark"))
+    p.add_argument("--save", metavar="HTML", help="write a self-contained HTML file and exit")
+    p.set_defaults(command=_run_dashboard)
+
+
+def _run_dashboard(args: argparse.Namespace) -> int:
+    import threading
+
+    from flodl.monitor.archive import save_dashboard, serve_directory
+    from flodl.monitor.records import read_tree
+
+    try:
+        if args.save:
+            path = save_dashboard(args.save, read_tree(args.dir), theme=args.theme)
+            print(f"flodl dashboard: wrote {path}")
+            return 0
+        server = serve_directory(args.dir, args.host, args.port, theme=args.theme)
+    except (ConfigError, OSError) as exc:
+        print(f"flodl dashboard: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"flodl dashboard of {args.dir}: {server.url} (Ctrl-C to stop)", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        server.stop()
     return 0
 
 

@@ -8,6 +8,7 @@ field (see :func:`validated`).
 from __future__ import annotations
 
 import math
+from enum import StrEnum
 from typing import Annotated, Any, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -18,6 +19,7 @@ __all__ = [
     "Mode",
     "Policy",
     "Backend",
+    "Reduction",
     "MODES",
     "ElCheConfig",
     "MaxFailure",
@@ -31,6 +33,18 @@ __all__ = [
 Mode = Literal["nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"]
 Policy = Literal["sync", "cadence", "async"]
 Backend = Literal["collective", "cpu"]
+
+
+class Reduction(StrEnum):
+    """How a user scalar combines across ranks and hosts (``scalar_reduction(name, …)``)."""
+
+    SUM = "sum"
+    MEAN = "mean"
+    """Work-weighted mean (the default)."""
+    MAX = "max"
+    MIN = "min"
+
+
 MODES: tuple[Mode, ...] = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
 
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
@@ -231,6 +245,8 @@ class CoordConfig(_Config):
     bundle (model, optimizer states, meta)."""
     eval_every: Annotated[int, Field(ge=1)] | None = None
     reports_per_epoch: Annotated[int, Field(ge=1, le=1000)] | None = None
+    scalar_reductions: dict[str, Reduction] = Field(default_factory=dict)
+    """User scalar name → how it combines across ranks (default ``mean``)."""
     run_id: str = "run"
     hosts: tuple[str, ...] | None = None
     """Host name per rank (for the record tree root → host → rank); ``None``: one host."""

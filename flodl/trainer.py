@@ -44,7 +44,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flodl import checkpoint
-from flodl.config import CoordConfig, ElCheConfig, MaxFailure, validated
+from flodl.config import CoordConfig, ElCheConfig, MaxFailure, Reduction, validated
 from flodl.coord.effects import (
     Alert,
     BundleRequested,
@@ -54,10 +54,12 @@ from flodl.coord.effects import (
     RunOver,
     WriteMeta,
 )
+from flodl.coord.metrics import REDUCTIONS
 from flodl.data import as_batch_dataset
 from flodl.errors import ConfigError, FlodlError
 from flodl.launch.cluster import CLUSTER_ENV_VAR, Cluster, ClusterBuilder
 from flodl.local import LocalRun, LocalSchedule
+from flodl.monitor.session import MonitorSession
 from flodl.outer import OuterConfig
 from flodl.rank.runtime import (
     RankSpec,
@@ -156,6 +158,22 @@ class TrainerConfig(BaseModel):
     """``EpochCallbackPolicy.Fastest`` (default) or ``EpochCallbackPolicy.Rank(n)``."""
     outer_optimizer: OuterConfig = Field(default_factory=OuterConfig)
     """``OuterAvg()`` (default), ``SlowMomentum(lr, mu)`` or ``NesterovMomentum(lr, mu)``."""
+    reports_per_epoch: Annotated[int, Field(ge=1, le=1000)] | None = None
+    """Up to n sub-epoch node reports per epoch at reduce boundaries (off: one per epoch)."""
+    record_log: str | None = None
+    """Directory of the JSONL record tree (``root.log``, ``root/<host>/rank<N>.log``)."""
+    record_log_max_bytes: Annotated[int, Field(ge=0)] = 0
+    """Ring size per node (0: 32 MiB)."""
+    dashboard: Annotated[int, Field(ge=0, le=65_535)] | None = None
+    """Serve the live dashboard on this port of 127.0.0.1 (0: any free port)."""
+    save_dashboard: str | None = None
+    """Write one self-contained HTML dashboard of the whole run here at the end."""
+    dashboard_theme: Literal["light", "dark"] | None = None
+    """Pin the dashboard theme (default: the reader's OS preference)."""
+    scalar_reductions: dict[str, Reduction] = Field(default_factory=dict)
+    """User scalar name → ``Reduction`` across ranks (default ``MEAN``)."""
+    progress: bool | None = None
+    """Print progress lines (default: when stdout is a terminal)."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -182,6 +200,11 @@ class TrainerConfig(BaseModel):
             )
         if self.eval_fn is None and (self.eval_result_fn is not None or self.eval_every):
             raise ValueError("eval_result_fn / eval_every need an eval_fn")
+        core = sorted(set(self.scalar_reductions) & set(REDUCTIONS))
+        if core:
+            raise ValueError(
+                f"scalar_reduction: {core} are framework metrics with fixed reductions"
+            )
         return self
 
 
@@ -286,6 +309,32 @@ class TrainerBuilder:
     def outer_optimizer(self, outer: OuterConfig) -> TrainerBuilder:
         return self._set("outer_optimizer", outer)
 
+    def reports_per_epoch(self, n: int) -> TrainerBuilder:
+        return self._set("reports_per_epoch", n)
+
+    def record_log(self, directory: str, max_bytes: int = 0) -> TrainerBuilder:
+        self._set("record_log_max_bytes", max_bytes)
+        return self._set("record_log", str(directory))
+
+    def dashboard(self, port: int = 0) -> TrainerBuilder:
+        """Serve the live dashboard on 127.0.0.1:``port`` (0: any free port; the URL is
+        printed and on ``handle.dashboard_url``)."""
+        return self._set("dashboard", port)
+
+    def save_dashboard(self, path: str) -> TrainerBuilder:
+        return self._set("save_dashboard", str(path))
+
+    def dashboard_theme(self, theme: str) -> TrainerBuilder:
+        return self._set("dashboard_theme", theme)
+
+    def scalar_reduction(self, name: str, how: Reduction | str) -> TrainerBuilder:
+        reductions = dict(self._values.get("scalar_reductions", {}))
+        reductions[name] = how
+        return self._set("scalar_reductions", reductions)
+
+    def progress(self, on: bool = True) -> TrainerBuilder:
+        return self._set("progress", on)
+
     def config(self) -> TrainerConfig:
         if "dataset" not in self._values:
             raise ConfigError("invalid TrainerConfig: dataset: required (call .dataset(ds))")
@@ -305,6 +354,8 @@ class TrainerHandle:
     def __init__(self, world_size: int, *, is_primary: bool = True) -> None:
         self.world_size = world_size
         self.is_primary = is_primary
+        self.dashboard_url: str | None = None
+        """The live dashboard's address while the run lasts (``dashboard(port)``)."""
         self._metrics: queue.SimpleQueue[EpochMetrics | None] = queue.SimpleQueue()
         self._done = threading.Event()
         self._state: TrainedState | None = None
@@ -512,7 +563,64 @@ def _run_single(job: TrainJob, c: TrainerConfig) -> TrainerHandle:
 
 
 def _train_single(job: TrainJob, c: TrainerConfig, handle: TrainerHandle) -> TrainedState:
-    return LocalRun(job, _local_schedule(c), on_metrics=handle._push).run()
+    monitor = _monitor(c, 1, None, handle, run_info={"tier": "single"})
+
+    def on_metrics(m: EpochMetrics) -> None:
+        if monitor is not None:
+            monitor.epoch(m)
+        handle._push(m)
+
+    try:
+        return LocalRun(job, _local_schedule(c), on_metrics=on_metrics).run()
+    finally:
+        if monitor is not None:
+            monitor.close()
+
+
+def _monitor(
+    c: TrainerConfig,
+    world: int,
+    hosts: tuple[str, ...] | None,
+    handle: TrainerHandle,
+    *,
+    run_info: dict[str, Any],
+) -> MonitorSession | None:
+    """The run's monitoring session, or None when nothing observes the run."""
+    progress = c.progress if c.progress is not None else sys.stdout.isatty()
+    wanted = (
+        c.record_log is not None
+        or c.dashboard is not None
+        or c.save_dashboard is not None
+        or progress
+        or world > 1  # alerts are always printed
+    )
+    if not wanted:
+        return None
+    session = MonitorSession(
+        world_size=world,
+        total_epochs=c.num_epochs * c.epoch_splits,
+        batch_size=c.batch_size,
+        hosts=hosts,
+        record_dir=c.record_log,
+        max_bytes=c.record_log_max_bytes,
+        dashboard_port=c.dashboard,
+        save_dashboard=c.save_dashboard,
+        theme=c.dashboard_theme,
+        progress=progress,
+        sub_epoch_reports=c.reports_per_epoch is not None and world > 1,
+        scalar_reductions={k: str(v) for k, v in c.scalar_reductions.items()},
+        run_info={
+            "mode": c.elche.mode,
+            "batch_size": c.batch_size,
+            "num_epochs": c.num_epochs,
+            "dataset_len": len(c.dataset),
+            **run_info,
+        },
+    )
+    if session.url is not None:
+        handle.dashboard_url = session.url
+        print(f"flodl dashboard: {session.url}", flush=True)  # noqa: T201
+    return session
 
 
 # ---------------------------------------------------------------------------------------------
@@ -663,6 +771,8 @@ class _HandleSink:
     metrics_fn: Callable[[EpochMetrics], None] | None
     bundles: BundleWriter
     eval_result_fn: Callable[[int, float], None] | None = None
+    monitor: MonitorSession | None = None
+    _epoch_extra: dict[str, Any] | None = None
 
     def write_meta(self, effect: WriteMeta) -> None:
         self.bundles.write_meta(effect)
@@ -671,12 +781,24 @@ class _HandleSink:
         self.bundles.bundle_requested(effect)
 
     def record(self, effect: Record) -> None:
-        return None
+        if effect.kind == "epoch":  # merged into the epoch's records by epoch_done
+            self._epoch_extra = dict(effect.data)
+            return
+        if self.monitor is not None:
+            self.monitor.record(effect.path, effect.kind, effect.data)
 
     def alert(self, effect: Alert) -> None:
-        print(f"flodl [{effect.cls}] {effect.path}: {effect.detail}", flush=True)  # noqa: T201
+        if self.monitor is not None:
+            self.monitor.alert(effect.cls, effect.path, effect.detail, effect.severity)
+        else:
+            print(f"flodl [{effect.cls}] {effect.path}: {effect.detail}", flush=True)  # noqa: T201
 
     def epoch_done(self, effect: EpochDone) -> None:
+        extra, self._epoch_extra = self._epoch_extra or {}, None
+        extra.pop("epoch", None)
+        extra.pop("avg_loss", None)
+        if self.monitor is not None:
+            self.monitor.epoch(effect.metrics, extra)
         _safe_metrics(self.metrics_fn, effect.metrics)
         self.handle._push(effect.metrics)
 
@@ -736,6 +858,8 @@ def _launch(job: TrainJob, c: TrainerConfig, cluster: Cluster) -> TrainerHandle:
         eval_every=c.eval_every,
         save_bundles=job.save_path is not None,
         hosts=_record_hosts(cluster),
+        reports_per_epoch=c.reports_per_epoch,
+        scalar_reductions=c.scalar_reductions,
     )
     resume, outer_state = (
         resume_from_bundle(job.resume_from, coord_cfg) if job.resume_from else (None, None)
@@ -743,7 +867,14 @@ def _launch(job: TrainJob, c: TrainerConfig, cluster: Cluster) -> TrainerHandle:
     secret = secrets.token_bytes(32)
     handle = TrainerHandle(world)
     bundles = BundleWriter(job.save_path)
-    sink = _HandleSink(handle, c.metrics_fn, bundles, c.eval_result_fn)
+    monitor = _monitor(
+        c,
+        world,
+        coord_cfg.hosts,
+        handle,
+        run_info={"run_id": coord_cfg.run_id, "hosts": sorted(set(coord_cfg.hosts or ()))},
+    )
+    sink = _HandleSink(handle, c.metrics_fn, bundles, c.eval_result_fn, monitor)
     run_dir = Path(tempfile.mkdtemp(prefix="flodl-"))
     ready: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
     over_box: list[RunOver] = []
@@ -903,6 +1034,8 @@ def _launch(job: TrainJob, c: TrainerConfig, cluster: Cluster) -> TrainerHandle:
             error = exc
         finally:
             atexit.unregister(kill_all)
+            if monitor is not None:
+                monitor.close()  # the service stopped: every record is in; archive, stop
         handle._finish(state, error)
 
     finisher = threading.Thread(target=finish, name="flodl-finish", daemon=True)

@@ -225,7 +225,7 @@ class Coordinator:
         self.cycle = Cycle(needs_reduce_done=self.backend == "cpu")
         self.sessions = Sessions(session=0, members=tuple(range(w)))
         self.roles = Roles(config.epoch_callback_policy)
-        self.aggregator = EpochAggregator(w)
+        self.aggregator = EpochAggregator(w, dict(config.scalar_reductions))
         self.reports = ReportScheduler(config.reports_per_epoch)
         self.paths = node_paths(w, config.hosts)
         self.ranks = [_RankRun() for _ in range(w)]
@@ -773,10 +773,31 @@ class Coordinator:
             anchor=self.elche.anchor,
             devices=[r.device for r in self.ranks],
         )
-        out.append(EpochDone(metrics))
         for r in self.liveness.alive():
             out.append(Send(r, EpochAggregated(metrics=metrics)))
-        out.append(Record("root", "epoch", {"epoch": epoch, "avg_loss": metrics.avg_loss}))
+        out.append(
+            Record(
+                "root",
+                "epoch",
+                {
+                    "epoch": epoch,
+                    "avg_loss": metrics.avg_loss,
+                    "batch_counts": list(self.elche.batch_counts),
+                    "heartbeat_age_s": self._heartbeat_ages(now),
+                    "phase": self.elche.phase.value,
+                },
+            )
+        )
+        out.append(EpochDone(metrics))  # after its record: sinks merge the two
+
+    def _heartbeat_ages(self, now: float) -> list[float | None]:
+        """Seconds since each live rank's last frame (``None`` for dead or finished ranks)."""
+        return [
+            round(max(0.0, now - self.liveness.last_seen_at(r)), 3)
+            if self.liveness.is_alive(r)
+            else None
+            for r in range(self.world_size)
+        ]
 
     def _epoch_boundary_callbacks(self, epoch: int, out: list[Effect]) -> None:
         """Checkpoint and eval for the epoch that just ended (``epoch - 1``), dispatched before
@@ -1113,7 +1134,7 @@ class Coordinator:
         if self.elche.calibrated and not was_calibrated:
             why = self.roles.on_first_calibration(self.liveness.alive(), self.elche.smoothed_ms)
             if why:
-                out.append(Record("root", "event", {"roles": why}))
+                out.append(Record("root", "roles", {"roles": why}))
         # 3. Guard + meta-controller through the verdict seam.
         action = self._guard_action(steps)
         old_anchor = self.elche.anchor
@@ -1148,7 +1169,7 @@ class Coordinator:
             run.closed_window = None
         if self.elche.anchor != old_anchor:
             out.append(Record("root", "anchor", {"from": old_anchor, "to": self.elche.anchor}))
-        self._maybe_report(windows, sync_ms, out)
+        self._maybe_report(windows, sync_ms, now, out)
 
     def _guard_action(self, steps: Sequence[int]) -> ConvergenceAction:
         if self.policy == "sync":
@@ -1202,7 +1223,7 @@ class Coordinator:
             self.elche.apply_callback_slack(slack)
 
     def _maybe_report(
-        self, windows: Sequence[WindowStats], sync_ms: float, out: list[Effect]
+        self, windows: Sequence[WindowStats], sync_ms: float, now: float, out: list[Effect]
     ) -> None:
         if self.config.reports_per_epoch is None or not self.works:
             return
@@ -1214,10 +1235,12 @@ class Coordinator:
         nodes = {r: windows[r].node(shares[r]) for r in range(self.world_size)}
         engine: dict[str, Any] = {
             "epoch": work.epoch,
+            "epoch_progress": committed / max(1, work.total_batches),
             "anchor": self.elche.anchor,
             "sync_ms": sync_ms,
             "batch_counts": self.elche.batch_counts,
             "syncs": self.sync_rounds,
+            "heartbeat_age_s": self._heartbeat_ages(now),
         }
         if self.last_d_raw is not None:
             engine["d_raw"] = self.last_d_raw
@@ -1272,7 +1295,7 @@ class Coordinator:
             return
         why = self.roles.on_death(rank, alive, self.elche.smoothed_ms)
         if why:
-            out.append(Record("root", "event", {"roles": why}))
+            out.append(Record("root", "roles", {"roles": why}))
         self._failover_checkpoints(rank, alive, out)
         self._failover_bundles(rank, out)
         if self.backend == "collective":
@@ -1378,7 +1401,7 @@ class Coordinator:
         self.phase = RunPhase.SHUTDOWN
         for r in self.liveness.alive():
             out.append(Send(r, ShutdownWithSave(reason=reason, detail=detail[:4096])))
-        out.append(Record("root", "event", {"shutdown_with_save": reason, "detail": detail}))
+        out.append(Record("root", "shutdown", {"shutdown_with_save": reason, "detail": detail}))
         self._maybe_done(out)
 
     def _send_roles_if_dirty(self, out: list[Effect]) -> None:

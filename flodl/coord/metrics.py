@@ -30,6 +30,7 @@ __all__ = [
     "ReportScheduler",
     "node_paths",
     "window_records",
+    "combine_scalars",
 ]
 
 REDUCTIONS: dict[str, str] = {
@@ -68,10 +69,17 @@ class RankEpoch:
 
 
 class EpochAggregator:
-    """Collects ``metrics`` frames per epoch and builds :class:`EpochMetrics`."""
+    """Collects ``metrics`` frames per epoch and builds :class:`EpochMetrics`.
 
-    def __init__(self, world_size: int) -> None:
+    Args:
+        world_size: ranks.
+        reductions: user scalar name → ``sum|mean|max|min`` across ranks (default ``mean``,
+            batch-weighted); each rank's value is its own per-batch mean.
+    """
+
+    def __init__(self, world_size: int, reductions: dict[str, str] | None = None) -> None:
         self.world_size = world_size
+        self.reductions = dict(reductions or {})
         self._epochs: dict[int, list[RankEpoch]] = {}
 
     def add(self, m: Metrics) -> None:
@@ -97,16 +105,10 @@ class EpochAggregator:
         per_rank_scalars = [
             {k: s / c for k, (s, c) in sorted(r.scalars.items()) if c > 0} for r in ranks
         ]
-        scalars: dict[str, float] = {}
-        weights: dict[str, int] = {}
-        for r, means in zip(ranks, per_rank_scalars, strict=True):
-            for k, v in means.items():
-                scalars[k] = scalars.get(k, 0.0) + v * r.batches
-                weights[k] = weights.get(k, 0) + r.batches
-        scalars = {
-            k: (v / weights[k] if weights[k] else per_rank_mean(per_rank_scalars, k))
-            for k, v in sorted(scalars.items())
-        }
+        scalars = combine_scalars(
+            [(means, float(r.batches)) for r, means in zip(ranks, per_rank_scalars, strict=True)],
+            self.reductions,
+        )
         return EpochMetrics(
             epoch=epoch,
             avg_loss=avg_loss,
@@ -129,9 +131,28 @@ class EpochAggregator:
         )
 
 
-def per_rank_mean(per_rank: Sequence[dict[str, float]], key: str) -> float:
-    values = [d[key] for d in per_rank if key in d]
-    return sum(values) / len(values) if values else 0.0
+def combine_scalars(
+    parts: Sequence[tuple[dict[str, float], float]], reductions: dict[str, str]
+) -> dict[str, float]:
+    """Combine user scalars over ``(values, work)`` parts by each name's reduction: ``mean``
+    (default) work-weighted (plain mean when no part has work), ``sum``, ``max``, ``min``. A
+    name no part measured is absent."""
+    names = sorted({k for values, _ in parts for k in values})
+    out: dict[str, float] = {}
+    for k in names:
+        pairs = [(values[k], w) for values, w in parts if k in values]
+        how = reductions.get(k, "mean")
+        vals = [v for v, _ in pairs]
+        if how == "sum":
+            out[k] = sum(vals)
+        elif how == "max":
+            out[k] = max(vals)
+        elif how == "min":
+            out[k] = min(vals)
+        else:
+            total = sum(w for _, w in pairs)
+            out[k] = sum(v * w for v, w in pairs) / total if total > 0 else sum(vals) / len(vals)
+    return out
 
 
 @dataclass(slots=True)
@@ -201,7 +222,9 @@ def node_paths(world_size: int, hosts: Sequence[str] | None) -> list[str]:
     return [f"root/{hosts[r]}/rank{r}" for r in range(world_size)]
 
 
-def _combine(children: Sequence[dict[str, float]]) -> dict[str, float]:
+def _combine(
+    children: Sequence[dict[str, float]], reductions: dict[str, str] | None = None
+) -> dict[str, float]:
     out: dict[str, float] = {}
     work = [c.get("steps", 0.0) for c in children]
     total_work = sum(work)
@@ -222,6 +245,12 @@ def _combine(children: Sequence[dict[str, float]]) -> dict[str, float]:
     if starve:
         out["data_starve_ms"] = max(starve)
     out["steps"] = total_work
+    if reductions is not None:  # user scalars, by their declared reduction
+        extra = [
+            ({k: v for k, v in c.items() if k not in REDUCTIONS and isinstance(v, float)}, w)
+            for c, w in zip(children, work, strict=True)
+        ]
+        out.update(combine_scalars(extra, reductions))
     return out
 
 
@@ -229,6 +258,7 @@ def window_records(
     rank_nodes: dict[int, dict[str, float]],
     paths: Sequence[str],
     engine: dict[str, Any],
+    reductions: dict[str, str] | None = None,
 ) -> list[tuple[str, dict[str, Any]]]:
     """Build (path, node) records for one report: ranks, then hosts, then root (with the
     engine metrics such as anchor and sync_ms)."""
@@ -241,11 +271,11 @@ def window_records(
         by_parent.setdefault(parent, []).append(node)
     host_nodes: list[dict[str, float]] = []
     for parent in sorted(p for p in by_parent if p != "root"):
-        combined = _combine(by_parent[parent])
+        combined = _combine(by_parent[parent], reductions)
         host_nodes.append(combined)
         records.append((parent, dict(combined)))
     root_children = by_parent.get("root", []) + host_nodes
-    root: dict[str, Any] = dict(_combine(root_children)) if root_children else {}
+    root: dict[str, Any] = dict(_combine(root_children, reductions)) if root_children else {}
     root.update(engine)
     records.append(("root", root))
     return records

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -25,9 +26,11 @@ from flodl import (
     MaxFailure,
     NesterovMomentum,
     OuterAvg,
+    Reduction,
     SlowMomentum,
     TensorBatchDataset,
     Trainer,
+    record_scalar,
 )
 
 OUTERS = {
@@ -62,7 +65,15 @@ def main() -> None:
     p.add_argument("--outer", default="none", choices=sorted(OUTERS))
     p.add_argument("--out")
     p.add_argument("--max-anchor", type=int)
+    p.add_argument("--records", help="record_log directory")
+    p.add_argument("--reports", type=int, help="reports_per_epoch")
+    p.add_argument("--dashboard", action="store_true", help="serve the live dashboard")
+    p.add_argument("--save-dashboard", help="archive path")
+    p.add_argument("--theme", choices=("light", "dark"))
+    p.add_argument("--progress", action="store_true")
+    p.add_argument("--rows-sum", action="store_true", help="record_scalar rows, Reduction.SUM")
     args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     me = int(os.environ.get("FLODL_RANK", "-1"))
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
@@ -90,6 +101,8 @@ def main() -> None:
             time.sleep(slow[me] / 1000.0)
         if ids_file is not None:
             ids_file.write(",".join(str(int(i)) for i in batch[2]) + "\n")
+        if args.rows_sum:
+            record_scalar("rows", float(batch[0].shape[0]))
         return F.cross_entropy(model(batch[0]), batch[1])
 
     def eval_fn(model: torch.nn.Module, ds: Any) -> float:
@@ -152,6 +165,20 @@ def main() -> None:
         b = b.epoch_fn(epoch_fn)
     if args.ckpt_fn:
         b = b.checkpoint_fn(checkpoint_fn)
+    if args.records:
+        b = b.record_log(args.records)
+    if args.reports:
+        b = b.reports_per_epoch(args.reports)
+    if args.dashboard:
+        b = b.dashboard(0)
+    if args.save_dashboard:
+        b = b.save_dashboard(args.save_dashboard)
+    if args.theme:
+        b = b.dashboard_theme(args.theme)
+    if args.progress:
+        b = b.progress(True)
+    if args.rows_sum:
+        b = b.scalar_reduction("rows", Reduction.SUM)
 
     if args.worker:
         worker = b.into_worker()
