@@ -27,6 +27,7 @@ import os
 import queue
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -44,6 +45,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flodl import checkpoint
+from flodl.chaos import CHAOS_ENV, RECORD_DIR_ENV, ChaosPlan
 from flodl.config import CoordConfig, ElCheConfig, MaxFailure, Reduction, validated
 from flodl.coord.effects import (
     Alert,
@@ -174,6 +176,8 @@ class TrainerConfig(BaseModel):
     """User scalar name → ``Reduction`` across ranks (default ``MEAN``)."""
     progress: bool | None = None
     """Print progress lines (default: when stdout is a terminal)."""
+    chaos: ChaosPlan | None = None
+    """Inject these faults into the ranks (chaos mode; see :mod:`flodl.chaos`)."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -335,6 +339,10 @@ class TrainerBuilder:
     def progress(self, on: bool = True) -> TrainerBuilder:
         return self._set("progress", on)
 
+    def chaos(self, plan: ChaosPlan) -> TrainerBuilder:
+        """Inject the plan's faults into the ranks (tests, resilience drills)."""
+        return self._set("chaos", plan)
+
     def config(self) -> TrainerConfig:
         if "dataset" not in self._values:
             raise ConfigError("invalid TrainerConfig: dataset: required (call .dataset(ds))")
@@ -423,6 +431,7 @@ class Trainer:
         model_factory: Fn, optim_factory: Fn, train_step: Fn, config: TrainerConfig
     ) -> TrainerHandle:
         _check_factories(model_factory, optim_factory, train_step, config)
+        config = _env_overrides(config)
         job = _job(model_factory, optim_factory, train_step, config)
         if rank_env() is not None:
             return _run_as_rank(job, config)
@@ -442,10 +451,11 @@ class Trainer:
 
         step = _no_train_step if train_step is None else train_step
         _check_factories(model_factory, optim_factory, step, config)
+        config = _env_overrides(config)
         job = _job(model_factory, optim_factory, step, config)
         if rank_env() is not None:
             return Worker(
-                loop=RankLoop(_rank_spec(), job),
+                loop=RankLoop(_rank_spec(config), job),
                 launched=os.environ.get(ENV_LAUNCHED) == "1",
             )
         cluster = _resolve_cluster(config)
@@ -466,6 +476,15 @@ def _check_factories(
     ):
         if not callable(fn):
             raise ConfigError(f"{name} must be callable, got {type(fn).__name__}")
+
+
+def _env_overrides(c: TrainerConfig) -> TrainerConfig:
+    """``FLODL_RECORD_LOG`` gives a record directory to a run that did not set one (``flodl
+    chaos`` uses it to read the run's recovery records)."""
+    records = os.environ.get(RECORD_DIR_ENV)
+    if records and c.record_log is None and rank_env() is None:
+        return c.model_copy(update={"record_log": records})
+    return c
 
 
 def _no_train_step(model: Any, batch: Any) -> Any:
@@ -690,14 +709,16 @@ def rank_env() -> tuple[int, int] | None:
     return None
 
 
-def _rank_spec() -> RankSpec:
+def _rank_spec(c: TrainerConfig) -> RankSpec:
+    """This rank's addresses and its side of the timeout hierarchy, all derived from one knob:
+    ``hb = heartbeat_timeout × FLODL_NET_TIMEOUT_SCALE`` (docs/reliability.md)."""
     found = rank_env()
     assert found is not None
     rank, world = found
     host, _, port = _env(ENV_COORD).rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"{ENV_COORD} must be host:port, got {os.environ[ENV_COORD]!r}")
-    scale = timeout_scale()
+    hb = c.heartbeat_timeout * timeout_scale()
     threads = os.environ.get(ENV_THREADS)
     return RankSpec(
         coord_host=host.strip("[]"),
@@ -707,16 +728,17 @@ def _rank_spec() -> RankSpec:
         rank=rank,
         world_size=world,
         device=os.environ.get(ENV_DEVICE, "cpu"),
-        liveness_timeout_s=30.0 * scale,
-        collective_timeout_s=20.0 * scale,
+        liveness_timeout_s=hb,
+        collective_timeout_s=hb * 2.0 / 3.0,  # below liveness: no rank hangs in a collective
+        hard_exit_grace_s=max(1.0, hb / 3.0),
         stem=os.environ.get(ENV_STEM) or None,
         threads=int(threads) if threads else None,
-        connect_timeout_s=30.0 * scale,
+        connect_timeout_s=hb,
     )
 
 
 def _run_as_rank(job: TrainJob, c: TrainerConfig) -> TrainerHandle:
-    spec = _rank_spec()
+    spec = _rank_spec(c)
     launched = os.environ.get(ENV_LAUNCHED) == "1"
     try:
         state = run_rank(spec, job)
@@ -845,7 +867,7 @@ def _launch(job: TrainJob, c: TrainerConfig, cluster: Cluster) -> TrainerHandle:
         seed=c.seed,
         elche=c.elche,
         heartbeat_timeout_s=c.heartbeat_timeout * scale,
-        join_timeout_s=300.0 * scale,
+        join_timeout_s=10.0 * c.heartbeat_timeout * scale,
         stall_floor_s=300.0 * scale,
         max_failure=c.max_failure,
         run_id=f"run-{secrets.token_hex(4)}",
@@ -940,8 +962,12 @@ def _launch(job: TrainJob, c: TrainerConfig, cluster: Cluster) -> TrainerHandle:
         ENV_RUN_ID: coord_cfg.run_id,
         ENV_LAUNCHED: "1",
         ENV_FINAL_DIR: str(run_dir),
-        ENV_STEM: c.save_path or str(run_dir / "run"),
+        ENV_STEM: job.save_path or str(run_dir / "run"),
     }
+    if c.record_log is not None:  # rank-side records (chaos faults) go to the same tree
+        flodl_env[RECORD_DIR_ENV] = c.record_log
+    if c.chaos is not None:
+        flodl_env[CHAOS_ENV] = c.chaos.to_env()
     inherited = {k: v for k, v in os.environ.items() if k != CLUSTER_ENV_VAR}
     procs: list[subprocess.Popen[bytes]] = []
     pumps: list[threading.Thread] = []
@@ -1036,6 +1062,7 @@ def _launch(job: TrainJob, c: TrainerConfig, cluster: Cluster) -> TrainerHandle:
             atexit.unregister(kill_all)
             if monitor is not None:
                 monitor.close()  # the service stopped: every record is in; archive, stop
+            shutil.rmtree(run_dir, ignore_errors=True)
         handle._finish(state, error)
 
     finisher = threading.Thread(target=finish, name="flodl-finish", daemon=True)
@@ -1073,9 +1100,22 @@ def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def _load_final(run_dir: Path, codes: list[int | None]) -> TrainedState | None:
+    """The first delivered final state; ``replicas_agree`` says whether every rank that
+    delivered one holds the same parameters (the consensus of the last reduce)."""
+    states: list[TrainedState] = []
     for rank, code in enumerate(codes):
         path = run_dir / f"final.rank{rank}.pt"
         if code == 0 and path.exists():
             data: dict[str, Any] = torch.load(path, weights_only=True)
-            return TrainedState(list(data["params"]), list(data["buffers"]), data["save_reason"])
-    return None
+            states.append(
+                TrainedState(list(data["params"]), list(data["buffers"]), data["save_reason"])
+            )
+    if not states:
+        return None
+    first = states[0]
+    if len(states) > 1:
+        first.replicas_agree = all(
+            all(torch.equal(a, b) for a, b in zip(first.params, s.params, strict=True))
+            for s in states[1:]
+        )
+    return first

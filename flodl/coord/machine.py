@@ -249,6 +249,8 @@ class Coordinator:
         """Requested bundles awaiting their model file: version → (writer failover, meta to
         write once the ``.fdl`` is on disk, why it was saved)."""
         self._bundle_seq = 0
+        self._unrecovered: list[int] = []
+        """Ranks declared dead since the last finalized cycle (for the ``recovered`` record)."""
         self.final_eval_epoch: int | None = None
         self.save_reason: SaveReason | None = None
         self.max_overshoot = el.max_overshoot if el.max_overshoot is not None else OVERSHOOT_INITIAL
@@ -1163,6 +1165,15 @@ class Coordinator:
         # 4. Counters, global step, records.
         self.sync_rounds += 1
         self.prev_sync_ms = sync_ms
+        if self._unrecovered:  # the survivors completed a reduce after these deaths
+            out.append(
+                Record(
+                    "root",
+                    "recovered",
+                    {"after_deaths": self._unrecovered, "syncs": self.sync_rounds},
+                )
+            )
+            self._unrecovered = []
         self.global_step += sum(steps)
         for r in self.liveness.alive():
             run = self.ranks[r]
@@ -1273,6 +1284,7 @@ class Coordinator:
             return
         self.elche.mark_dead(rank)
         self._invalidate_cohort()
+        self._unrecovered.append(rank)
         alive = self.liveness.alive()
         run = self.ranks[rank]
         if self.cycle.pending:

@@ -632,6 +632,13 @@ class RankBridge:
             self._watchdog.cancel()
             self._watchdog = None
 
+    def abort(self, reason: str = "aborted") -> None:
+        """Drop the control connection as a network failure would (fault injection: the
+        coordinator sees the connection end; this side is marked lost). Any thread."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._lose, reason)
+
     def _lose(self, reason: str) -> None:
         """Loop-thread side of a loss: stop all I/O, then declare it. No-op while closing."""
         if self._lost.is_set() or self._closing:

@@ -162,6 +162,14 @@ class ReduceClient:
         self._tagger = ThreadPoolExecutor(1, thread_name_prefix=f"flodl-reduce-tag-{self.rank}")
         logger.info("rank %d connected to the reduce server %s:%d", self.rank, self.host, self.port)
 
+    def abort(self) -> None:
+        """Cut the data connection as a network failure would (fault injection): the next
+        round fails on this side and the server sees the connection end."""
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         """Close the connection and stop the helper thread. Idempotent."""
         self._closed = True

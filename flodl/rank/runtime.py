@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from flodl import checkpoint
+from flodl.chaos import RankChaos
 from flodl.config import ElCheConfig
 from flodl.coord.chunks import epoch_slice, index_space, permutation, pick_to_sample
 from flodl.data import BatchDataset
@@ -154,6 +155,9 @@ class RankSpec:
     stem: str | None = None
     threads: int | None = None
     connect_timeout_s: float = 30.0
+    hard_exit_grace_s: float = 10.0
+    """After losing its coordinator, how long the main thread has to exit cleanly before the
+    bridge ends the process (a main thread stuck in a forward pass or collective)."""
 
 
 @dataclass(frozen=True)
@@ -359,6 +363,7 @@ class RankLoop:
         self.epoch_role: int | None = None
         self.last_eval: tuple[int, float] | None = None
         self._timing = (0.0, 0.0)
+        self.chaos: RankChaos | None = None
 
     # ------------------------------------------------------------------ setup
     def run(self) -> TrainedState:
@@ -410,9 +415,16 @@ class RankLoop:
             spec.secret,
             hello,
             liveness_timeout_s=spec.liveness_timeout_s,
+            hard_exit_grace_s=spec.hard_exit_grace_s,
             connect_timeout_s=spec.connect_timeout_s,
         )
-        return self.bridge.start()
+        accept = self.bridge.start()
+        self.chaos = RankChaos.from_environ(spec.rank)
+        if self.chaos is not None:
+            bridge = self.bridge
+            self.chaos.abort_control = lambda: bridge.abort("chaos: control connection cut")
+            self.chaos.abort_data = lambda: self.client.abort() if self.client else None
+        return accept
 
     def begin(self, accept: Accept) -> None:
         """Wait for the cohort, connect the averaging backend, take rank 0's state."""
@@ -421,6 +433,8 @@ class RankLoop:
         first = self._recv_blocking()
         self.deferred.append(first)
         self._connect_backend(accept)
+        if self.chaos is not None:
+            self.chaos.begin()
         self._initial_broadcast()
 
     def batches(self) -> Iterator[list[torch.Tensor]]:
@@ -482,13 +496,32 @@ class RankLoop:
             self.collective.form(f"{spec.run_id}/s{accept.session}", spec.rank, spec.world_size)
 
     def _initial_broadcast(self) -> None:
-        """Replicas start identical: rank 0's parameters and buffers everywhere."""
+        """Replicas start identical: rank 0's parameters and float buffers everywhere
+        (collective: redone from the new group's rank 0 if a peer dies meanwhile; CPU: if rank 0
+        dies before uploading, the round has no weight and each rank keeps its own state until
+        the first reduce makes them one)."""
         with torch.no_grad():
             if self.client is not None:
                 root = self.spec.rank == 0
                 self.client.reduce(0, self.params, 1.0 if root else 0.0, self.fbuffers, root)
             else:
-                self.collective.broadcast([p.data for p in self.params] + self.fbuffers, src=0)
+                # An all-reduce with weight 1 at the group's rank 0 (the lowest live global
+                # rank), 0 elsewhere: bit-exact rank 0's state, and unlike a broadcast a dead
+                # peer fails it on every rank, so all of them redo it in the new session.
+                data = [p.data for p in self.params]
+                while True:
+                    try:
+                        root = self.collective.rank == 0
+                        self.collective.weighted_average(data, 1.0 if root else 0.0)
+                        self.collective.average_buffers(self.fbuffers, root)
+                        break
+                    except CollectiveFailed as exc:
+                        logger.warning(
+                            "rank %d: initial broadcast failed (%s); waiting for a new session",
+                            self.spec.rank,
+                            exc,
+                        )
+                        self._await_session()
                 if self.outer is not None and self.outer.prev is None:
                     self.outer.apply(self.params)  # first window: prev_global = consensus
             self._keep_consensus()
@@ -599,6 +632,7 @@ class RankLoop:
         fn = self.job.epoch_fn
         if fn is None or self.epoch_role != self.spec.rank:
             return
+        self._chaos_callback()
         _, ms, _ = timed_callback(f"epoch_fn (epoch {epoch})", lambda: fn(epoch, self.model))
         self._send(EpochFnElapsed(rank=self.spec.rank, epoch=epoch, elapsed_ms=ms))
 
@@ -606,6 +640,7 @@ class RankLoop:
         fn, metric, ms = self.job.eval_fn, None, 0.0
         error: str | None = "no eval_fn on this rank"
         if fn is not None:
+            self._chaos_callback()
             with self._consensus_model() as model:
                 value, ms, error = timed_callback(
                     f"eval_fn (epoch {epoch})", lambda: fn(model, self.job.eval_dataset)
@@ -633,6 +668,7 @@ class RankLoop:
         fn, ms = self.job.checkpoint_fn, 0.0
         error: str | None = "no checkpoint_fn on this rank"
         if fn is not None:
+            self._chaos_callback()
             with self._consensus_model() as model:
                 _, ms, error = timed_callback(
                     f"checkpoint_fn (epoch {version})", lambda: fn(version, model)
@@ -640,6 +676,10 @@ class RankLoop:
         self._send(
             CheckpointResult(rank=self.spec.rank, version=version, elapsed_ms=ms, error=error)
         )
+
+    def _chaos_callback(self) -> None:
+        if self.chaos is not None:
+            self.chaos.in_callback()
 
     def _save_bundle(self, frame: SaveConsensusModel) -> None:
         """This rank's part of a bundle: its optimizer state; the model (and the collective
@@ -650,6 +690,19 @@ class RankLoop:
         if stem is None:
             errors.append("no save_path on this rank")
         else:
+            try:
+                checkpoint.save_optim(
+                    stem,
+                    rank,
+                    self.optim.state_dict(),
+                    global_step=frame.global_step,
+                    sync_round=frame.sync_round,
+                )
+            except Exception as exc:
+                logger.exception("rank %d: saving its optimizer state failed", rank)
+                errors.append(f"optimizer state: {type(exc).__name__}: {exc}")
+            if self.chaos is not None:
+                self.chaos.in_save()
             if frame.target_rank == rank:
                 try:
                     checkpoint.save_model(
@@ -669,17 +722,6 @@ class RankLoop:
                 except Exception as exc:  # a failed save never kills training
                     logger.exception("rank %d: saving bundle %d failed", rank, frame.version)
                     errors.append(f"{type(exc).__name__}: {exc}")
-            try:
-                checkpoint.save_optim(
-                    stem,
-                    rank,
-                    self.optim.state_dict(),
-                    global_step=frame.global_step,
-                    sync_round=frame.sync_round,
-                )
-            except Exception as exc:
-                logger.exception("rank %d: saving its optimizer state failed", rank)
-                errors.append(f"optimizer state: {type(exc).__name__}: {exc}")
         self._send(
             BundleSaved(
                 rank=rank,
@@ -736,6 +778,8 @@ class RankLoop:
         if head.pos >= len(head.picks):
             self.queue.popleft()
             self._report_slice(head.epoch)
+        if self.chaos is not None:
+            self.chaos.on_step(self.step)
 
     def _report_slice(self, epoch: int) -> None:
         st, bs = self.stats, self.job.batch_size
@@ -770,6 +814,8 @@ class RankLoop:
     def _reduce(self, cycle: int) -> None:
         self.pending_reduce = None
         self._send(SnapshotReady(rank=self.spec.rank, cycle=cycle, step=self.step))
+        if self.chaos is not None:
+            self.chaos.before_reduce()
         n = self.window_steps
         weight = float(n) ** self.el.gamma if n > 0 else 0.0
         with torch.no_grad():

@@ -28,6 +28,9 @@ class TrainedState:
     params: list[torch.Tensor] = field(default_factory=list)
     buffers: list[torch.Tensor] = field(default_factory=list)
     save_reason: str | None = None
+    replicas_agree: bool | None = None
+    """Whether every rank that delivered a final state held these exact parameters (``None``
+    when fewer than two did)."""
 
     @classmethod
     def of(cls, model: torch.nn.Module, save_reason: str | None = None) -> TrainedState:

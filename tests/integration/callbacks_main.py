@@ -32,6 +32,7 @@ from flodl import (
     Trainer,
     record_scalar,
 )
+from flodl.chaos import ChaosPlan
 
 OUTERS = {
     "none": OuterAvg(),
@@ -72,6 +73,7 @@ def main() -> None:
     p.add_argument("--theme", choices=("light", "dark"))
     p.add_argument("--progress", action="store_true")
     p.add_argument("--rows-sum", action="store_true", help="record_scalar rows, Reduction.SUM")
+    p.add_argument("--chaos", help="a chaos plan (ChaosPlan.to_env() JSON) for Trainer.chaos")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     me = int(os.environ.get("FLODL_RANK", "-1"))
@@ -179,6 +181,8 @@ def main() -> None:
         b = b.progress(True)
     if args.rows_sum:
         b = b.scalar_reduction("rows", Reduction.SUM)
+    if args.chaos:
+        b = b.chaos(ChaosPlan.from_env(args.chaos))
 
     if args.worker:
         worker = b.into_worker()
@@ -191,7 +195,8 @@ def main() -> None:
         state = b.run().join()
     if args.out:
         torch.save({"params": state.params, "buffers": state.buffers}, args.out)
-    print("DONE " + json.dumps({"save_reason": state.save_reason}), flush=True)
+    result = {"save_reason": state.save_reason, "replicas_agree": state.replicas_agree}
+    print("DONE " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

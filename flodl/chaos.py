@@ -1,0 +1,334 @@
+"""Chaos mode: seeded fault injection into a running job (a product feature, and the chaos suite).
+
+A :class:`ChaosPlan` is a list of :class:`Fault` s, each aimed at one rank and triggered at a
+point of that rank's own progress — its n-th training step, or a time since its training
+started — so a plan is deterministic for a seed (what happens, to whom, when), while the
+recovery it provokes is measured, not assumed. The plan reaches every rank process through
+the ``FLODL_CHAOS`` environment variable (the launcher's children inherit it), and the rank
+runtime calls the injector's hooks at its step boundaries, before each averaging upload,
+inside callbacks and inside bundle saves.
+
+Faults (``kind``):
+
+* ``kill``: SIGKILL (the process vanishes; the launcher's child-exit report is the fast path);
+* ``stop``: SIGSTOP for ``duration_s``, then SIGCONT from a detached helper — a hang: the
+  heartbeat path declares the rank dead if it outlasts the heartbeat timeout, else it is slow;
+* ``close_control`` / ``close_data``: the rank's control or data connection is cut as a
+  network failure would cut it;
+* ``delay_reduce``: the next averaging upload waits ``duration_s`` (slow, not dead);
+* ``kill_in_reduce``: SIGKILL inside the next averaging cycle (after ``snapshot_ready``, before
+  the upload or the collective);
+* ``kill_in_callback`` / ``kill_in_checkpoint``: SIGKILL inside the next callback
+  (``epoch_fn``, eval, ``checkpoint_fn``) or bundle save (after the optimizer state, before
+  the model file) on that rank.
+
+Each fault is recorded when it fires (``kind: "event"``, class ``chaos``, at node
+``root/chaos`` of the record log, wall-clock ``ts``) so :func:`recovery_table` can join it with
+the coordinator's records: ``t_detect`` (fault → the rank declared dead) and ``t_resume``
+(fault → the survivors' next completed reduce, the coordinator's ``recovered`` record).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from flodl.errors import ConfigError
+
+__all__ = [
+    "CHAOS_ENV",
+    "RECORD_DIR_ENV",
+    "FaultKind",
+    "Fault",
+    "ChaosPlan",
+    "RankChaos",
+    "recovery_table",
+]
+
+logger = logging.getLogger(__name__)
+
+CHAOS_ENV = "FLODL_CHAOS"
+RECORD_DIR_ENV = "FLODL_RECORD_LOG"
+"""A record_log directory for runs that did not configure one (``flodl chaos`` sets it)."""
+
+FaultKind = Literal[
+    "kill",
+    "stop",
+    "close_control",
+    "close_data",
+    "delay_reduce",
+    "kill_in_reduce",
+    "kill_in_callback",
+    "kill_in_checkpoint",
+]
+FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
+SIGNAL_KINDS = {"KILL": "kill", "STOP": "stop", "CONT": "stop"}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: ``kind`` on ``rank`` when it reaches ``step`` (its own training steps) or
+    ``after_s`` seconds of training, whichever is set; ``duration_s`` for stop/delay."""
+
+    kind: str
+    rank: int
+    step: int | None = None
+    after_s: float | None = None
+    duration_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ConfigError(f"unknown fault kind {self.kind!r}: one of {', '.join(FAULT_KINDS)}")
+        if self.rank < 0:
+            raise ConfigError(f"fault rank must be >= 0, got {self.rank}")
+        if (self.step is None) == (self.after_s is None):
+            raise ConfigError("a fault needs exactly one trigger: step or after_s")
+        if self.step is not None and self.step < 0:
+            raise ConfigError(f"fault step must be >= 0, got {self.step}")
+        if self.after_s is not None and not self.after_s >= 0:
+            raise ConfigError(f"fault after_s must be >= 0, got {self.after_s}")
+        if not 0 <= self.duration_s <= 3600:
+            raise ConfigError(f"fault duration_s must be in [0, 3600], got {self.duration_s}")
+
+
+@dataclass(frozen=True)
+class ChaosPlan:
+    """A seeded list of faults (see the module docstring)."""
+
+    faults: tuple[Fault, ...] = ()
+    seed: int = 0
+
+    @classmethod
+    def generate(
+        cls,
+        *,
+        world_size: int,
+        kills: int,
+        mtbf_s: float,
+        seed: int = 0,
+        signals: Sequence[str] = ("KILL",),
+        stop_s: float = 2.0,
+        spare: Sequence[int] = (),
+    ) -> ChaosPlan:
+        """``kills`` faults on distinct ranks, spaced by exponential gaps of mean ``mtbf_s``
+        seconds of training; each fault's kind is drawn from ``signals`` (``KILL``, ``STOP``,
+        ``CONT`` — STOP and CONT make a stop-then-continue hang of ``stop_s``). Ranks in
+        ``spare`` are never hit. Deterministic for a seed.
+
+        Raises:
+            ConfigError: more faults than ranks that may be hit, a bad signal or interval.
+        """
+        if not mtbf_s > 0:
+            raise ConfigError(f"--mtbf must be > 0 seconds, got {mtbf_s}")
+        kinds = []
+        for sig in signals:
+            name = sig.strip().upper().removeprefix("SIG")
+            if name not in SIGNAL_KINDS:
+                raise ConfigError(f"unknown signal {sig!r}: use KILL, STOP or CONT")
+            kinds.append(SIGNAL_KINDS[name])
+        targets = [r for r in range(world_size) if r not in set(spare)]
+        if kills > len(targets):
+            raise ConfigError(
+                f"{kills} faults need as many distinct ranks; {len(targets)} may be hit"
+            )
+        rng = random.Random(seed)
+        ranks = rng.sample(targets, kills)
+        at, faults = 0.0, []
+        for rank in ranks:
+            at += rng.expovariate(1.0 / mtbf_s)
+            kind = rng.choice(sorted(set(kinds)))
+            duration = stop_s if kind == "stop" else 0.0
+            faults.append(Fault(kind, rank, after_s=round(at, 3), duration_s=duration))
+        return cls(tuple(faults), seed)
+
+    # ------------------------------------------------------------------ transport
+    def to_env(self) -> str:
+        return json.dumps({"seed": self.seed, "faults": [asdict(f) for f in self.faults]})
+
+    @classmethod
+    def from_env(cls, text: str) -> ChaosPlan:
+        """Inverse of :meth:`to_env`.
+
+        Raises:
+            ConfigError: the text is not a valid plan.
+        """
+        try:
+            data = json.loads(text)
+            faults = tuple(Fault(**f) for f in data["faults"])
+            return cls(faults, int(data.get("seed", 0)))
+        except ConfigError:
+            raise
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ConfigError(f"{CHAOS_ENV} is not a valid chaos plan: {exc}") from None
+
+    def for_rank(self, rank: int) -> list[Fault]:
+        return [f for f in self.faults if f.rank == rank]
+
+
+@dataclass
+class RankChaos:
+    """The in-rank injector: the runtime calls its hooks; faults fire once each.
+
+    Args:
+        rank: this rank.
+        faults: this rank's faults.
+        record_dir: where fault records go (``None``: only logged).
+        abort_control / abort_data: cut the control / data connection.
+    """
+
+    rank: int
+    faults: list[Fault]
+    record_dir: str | None = None
+    abort_control: Callable[[], None] | None = None
+    abort_data: Callable[[], None] | None = None
+    started: float = field(default_factory=time.monotonic)
+    _armed: dict[str, Fault] = field(default_factory=dict)
+
+    @classmethod
+    def from_environ(cls, rank: int, environ: Mapping[str, str] | None = None) -> RankChaos | None:
+        env = os.environ if environ is None else environ
+        text = env.get(CHAOS_ENV)
+        if not text:
+            return None
+        faults = ChaosPlan.from_env(text).for_rank(rank)
+        if not faults:
+            return None
+        return cls(rank, faults, env.get(RECORD_DIR_ENV) or None)
+
+    # ------------------------------------------------------------------ hooks
+    def on_step(self, step: int) -> None:
+        """After each training step: fire the faults whose trigger was reached."""
+        if not self.faults:
+            return
+        elapsed = time.monotonic() - self.started
+        due = [
+            f
+            for f in self.faults
+            if (f.step is not None and step >= f.step)
+            or (f.after_s is not None and elapsed >= f.after_s)
+        ]
+        for fault in due:
+            self.faults.remove(fault)
+            self._fire(fault, step)
+
+    def begin(self) -> None:
+        """Training starts (before the initial broadcast): the fault clock starts, and faults
+        at step 0 fire here — inside the initial broadcast."""
+        self.started = time.monotonic()
+        self.on_step(0)
+
+    def before_reduce(self) -> None:
+        fault = self._armed.pop("delay_reduce", None)
+        if fault is not None:
+            time.sleep(fault.duration_s)
+        if self._armed.pop("kill_in_reduce", None) is not None:
+            self._record("kill_in_reduce", None)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def in_callback(self) -> None:
+        if self._armed.pop("kill_in_callback", None) is not None:
+            self._record("kill_in_callback", None)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def in_save(self) -> None:
+        if self._armed.pop("kill_in_checkpoint", None) is not None:
+            self._record("kill_in_checkpoint", None)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # ------------------------------------------------------------------ faults
+    def _fire(self, fault: Fault, step: int) -> None:
+        kind = fault.kind
+        if kind in ("delay_reduce", "kill_in_reduce", "kill_in_callback", "kill_in_checkpoint"):
+            self._armed[kind] = fault  # fires at its hook
+            if kind == "delay_reduce":
+                self._record(kind, step, duration_s=fault.duration_s)
+            return
+        self._record(kind, step, duration_s=fault.duration_s)
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "stop":
+            # a detached helper wakes us: nothing of ours runs while we are stopped
+            subprocess.Popen(
+                [sys.executable, "-c", _WAKER, str(os.getpid()), str(fault.duration_s)],
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif kind == "close_control" and self.abort_control is not None:
+            self.abort_control()
+        elif kind == "close_data" and self.abort_data is not None:
+            self.abort_data()
+
+    def _record(self, kind: str, step: int | None, **extra: Any) -> None:
+        detail = f"chaos: {kind} on rank {self.rank}"
+        if step is not None:
+            detail += f" at step {step}"
+        logger.warning(detail)
+        if self.record_dir is None:
+            return
+        from flodl.monitor.records import RecordLog, make_record
+
+        data = {"class": "chaos", "detail": detail, "count": 1, "fault": kind}
+        data |= {"rank": self.rank, "step": step, **extra}
+        with RecordLog(self.record_dir) as log:
+            log.write(make_record("root/chaos", "event", data, sev="warning"))
+
+
+_WAKER = (
+    "import os, signal, sys, time\n"
+    "time.sleep(float(sys.argv[2]))\n"
+    "try:\n    os.kill(int(sys.argv[1]), signal.SIGCONT)\nexcept ProcessLookupError:\n    pass\n"
+)
+
+
+def recovery_table(record_dir: str | Path) -> list[dict[str, Any]]:
+    """Join fault records with the coordinator's: one row per fault with ``t_detect_s`` (fault
+    → that rank declared dead) and ``t_resume_s`` (fault → the next reduce the survivors
+    completed after the death), ``None`` where it did not happen (a rank that was only slow).
+
+    Raises:
+        ConfigError: ``record_dir`` is not a record directory.
+    """
+    from flodl.monitor.records import read_tree
+
+    tree = read_tree(record_dir)
+    faults = [r for r in tree.get("root/chaos", []) if r["kind"] == "event"]
+    deaths: dict[int, dict[str, Any]] = {}
+    for path, records in tree.items():
+        tail = path.rsplit("/", 1)[-1]
+        if not tail.startswith("rank") or not tail[4:].isdigit():
+            continue
+        for r in records:
+            if r["kind"] == "event" and r["data"].get("class") == "rank_lost":
+                deaths.setdefault(int(tail[4:]), r)
+    recovered = [r for r in tree.get("root", []) if r["kind"] == "recovered"]
+    rows = []
+    for f in faults:
+        rank = f["data"]["rank"]
+        row: dict[str, Any] = {
+            "fault": f["data"]["fault"],
+            "rank": rank,
+            "step": f["data"].get("step"),
+            "t_detect_s": None,
+            "t_resume_s": None,
+        }
+        death = deaths.get(rank)
+        if death is not None and death["ts"] >= f["ts"] - 5:
+            row["t_detect_s"] = (death["ts"] - f["ts"]) / 1000.0
+            after = [r for r in recovered if rank in r["data"].get("after_deaths", [])]
+            if after:
+                row["t_resume_s"] = (after[0]["ts"] - f["ts"]) / 1000.0
+        rows.append(row)
+    return rows

@@ -1,0 +1,97 @@
+"""Chaos plans: seeded generation, transport through the environment, the in-rank hooks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flodl.chaos import CHAOS_ENV, RECORD_DIR_ENV, ChaosPlan, Fault, RankChaos, recovery_table
+from flodl.errors import ConfigError
+from flodl.monitor.records import RecordLog, make_record
+
+
+def test_a_plan_is_deterministic_for_a_seed_and_hits_distinct_ranks() -> None:
+    a = ChaosPlan.generate(world_size=8, kills=5, mtbf_s=2.0, seed=7, signals=["KILL", "STOP"])
+    b = ChaosPlan.generate(world_size=8, kills=5, mtbf_s=2.0, seed=7, signals=["KILL", "STOP"])
+    c = ChaosPlan.generate(world_size=8, kills=5, mtbf_s=2.0, seed=8, signals=["KILL", "STOP"])
+    assert a == b and a != c
+    assert len({f.rank for f in a.faults}) == 5
+    times = [f.after_s for f in a.faults]
+    assert times == sorted(times) and all(t is not None and t > 0 for t in times)
+    assert {f.kind for f in a.faults} <= {"kill", "stop"}
+    spared = ChaosPlan.generate(world_size=4, kills=3, mtbf_s=1.0, spare=[0])
+    assert 0 not in {f.rank for f in spared.faults}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kills": 5, "world_size": 4}, "distinct ranks"),
+        ({"kills": 1, "world_size": 4, "mtbf_s": 0.0}, "--mtbf"),
+        ({"kills": 1, "world_size": 4, "signals": ["HUP"]}, "unknown signal"),
+    ],
+)
+def test_bad_plans_name_the_problem(kwargs: dict[str, object], message: str) -> None:
+    values: dict[str, object] = {"mtbf_s": 1.0, **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        ChaosPlan.generate(**values)  # type: ignore[arg-type]
+
+
+def test_faults_validate_and_survive_the_environment() -> None:
+    plan = ChaosPlan(
+        (Fault("close_data", 1, step=3), Fault("stop", 2, after_s=1.5, duration_s=2.0)), seed=4
+    )
+    assert ChaosPlan.from_env(plan.to_env()) == plan
+    assert plan.for_rank(1) == [Fault("close_data", 1, step=3)]
+    for bad in ("{", "[]", json.dumps({"faults": [{"kind": "explode", "rank": 0, "step": 1}]})):
+        with pytest.raises(ConfigError):
+            ChaosPlan.from_env(bad)
+    with pytest.raises(ConfigError, match="exactly one trigger"):
+        Fault("kill", 0, step=1, after_s=1.0)
+    env = {CHAOS_ENV: plan.to_env()}
+    assert RankChaos.from_environ(0, env) is None  # no fault for rank 0
+    chaos = RankChaos.from_environ(1, env)
+    assert chaos is not None and chaos.faults == [Fault("close_data", 1, step=3)]
+
+
+def test_hooks_fire_each_fault_once_at_its_step(tmp_path: Path) -> None:
+    cut: list[str] = []
+    chaos = RankChaos(
+        1,
+        [Fault("close_control", 1, step=5), Fault("delay_reduce", 1, step=2, duration_s=0.0)],
+        str(tmp_path),
+        abort_control=lambda: cut.append("control"),
+    )
+    chaos.on_step(1)
+    assert cut == [] and chaos._armed == {}
+    chaos.on_step(2)  # arms the delay for the next reduce
+    assert "delay_reduce" in chaos._armed
+    chaos.before_reduce()
+    assert chaos._armed == {}
+    chaos.on_step(7)  # a trigger passed between checks still fires, once
+    chaos.on_step(8)
+    assert cut == ["control"] and chaos.faults == []
+    recs = RecordLog.tail(tmp_path, "root/chaos", 10)
+    assert [r["data"]["fault"] for r in recs] == ["delay_reduce", "close_control"]
+    assert recs[1]["data"]["step"] == 7 and recs[1]["data"]["class"] == "chaos"
+
+
+def test_the_recovery_table_joins_faults_with_the_coordinators_records(tmp_path: Path) -> None:
+    with RecordLog(tmp_path) as log:
+        log.write(make_record("root", "meta", {"reductions": {}, "run": {}}, ts_ms=900))
+        fault = {"class": "chaos", "detail": "", "count": 1, "fault": "kill", "rank": 2}
+        log.write(make_record("root/chaos", "event", {**fault, "step": 9}, ts_ms=1000))
+        stop = {**fault, "fault": "stop", "rank": 1, "step": 4}
+        log.write(make_record("root/chaos", "event", stop, ts_ms=1100))
+        lost = {"class": "rank_lost", "detail": "x", "count": 1}
+        log.write(make_record("root/rank2", "event", lost, sev="critical", ts_ms=1030))
+        back = {"after_deaths": [2], "syncs": 7}
+        log.write(make_record("root", "recovered", back, ts_ms=1250))
+    rows = recovery_table(tmp_path)
+    assert rows == [
+        {"fault": "kill", "rank": 2, "step": 9, "t_detect_s": 0.03, "t_resume_s": 0.25},
+        {"fault": "stop", "rank": 1, "step": 4, "t_detect_s": None, "t_resume_s": None},
+    ]
+    assert RECORD_DIR_ENV == "FLODL_RECORD_LOG"
