@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from flodl.coord.chunks import epoch_batches, epoch_slice, index_space, permutat
 from flodl.coord.machine import META_SCHEMA_VERSION
 from flodl.errors import CheckpointError, FlodlError
 from flodl.rank.runtime import (
+    StepSums,
     TrainJob,
     apply_loss,
     fetch_batch,
@@ -52,15 +53,6 @@ class LocalSchedule:
     eval_every: int | None = None
     eval_result_fn: Callable[[int, float], None] | None = None
     metrics_fn: Callable[[EpochMetrics], None] | None = None
-
-
-@dataclass
-class _EpochSums:
-    batches: int = 0
-    loss_sum: float = 0.0
-    compute_ms: float = 0.0
-    data_ms: float = 0.0
-    scalars: dict[str, list[float]] = field(default_factory=dict)
 
 
 class LocalRun:
@@ -98,7 +90,7 @@ class LocalRun:
         self.intents: set[str] = set()
         self.evals: list[tuple[int, float]] = []
         self._pending: tuple[float, float] | None = None
-        self._sums = _EpochSums()
+        self._sums = StepSums()
         self._done = False
         if job.resume_from is not None:
             self._resume(job.resume_from)
@@ -143,7 +135,7 @@ class LocalRun:
             started = time.perf_counter()
             data_pass, start, _ = epoch_slice(epoch, self.space, job.epoch_splits)
             perm = permutation(self.space, data_pass, job.seed)
-            self._sums = _EpochSums()
+            self._sums = StepSums()
             for b in self._epoch_batches(epoch):
                 t0 = time.perf_counter()
                 batch = fetch_batch(job, perm[start + b * bs : start + (b + 1) * bs], self.device)

@@ -210,7 +210,9 @@ class _Slice:
 
 
 @dataclass
-class _SliceStats:
+class StepSums:
+    """Sums over a run of steps (a slice on a rank, an epoch on one device)."""
+
     batches: int = 0
     loss_sum: float = 0.0
     compute_ms: float = 0.0
@@ -351,7 +353,7 @@ class RankLoop:
         self.throttled = False
         self.session = 0
         self.deferred: deque[CoordFrame] = deque()
-        self.stats = _SliceStats()
+        self.stats = StepSums()
         self.last_lr: float | None = None
         self.model: torch.nn.Module
         self.optim: torch.optim.Optimizer
@@ -798,7 +800,7 @@ class RankLoop:
                 scalars={k: (v[0], int(v[1])) for k, v in sorted(st.scalars.items())[:256]},
             )
         )
-        self.stats = _SliceStats()
+        self.stats = StepSums()
 
     def _apply_lr(self) -> None:
         if self.scheduler is None:
