@@ -424,13 +424,23 @@ class CoordinatorServer:
         try:
             peer.writer.write_nowait(frame)
         except (ConnectionError, OSError, RuntimeError) as exc:
-            self._close_peer(peer, f"write failed: {exc}")
+            self._drop(peer, frame, f"write failed: {exc}")
             return
         if peer.writer.buffered > self._high_water:
-            self._close_peer(
+            self._drop(
                 peer,
+                frame,
                 f"slow reader: {peer.writer.buffered} B queued (high-water {self._high_water})",
             )
+
+    def _drop(self, peer: _Peer, frame: CoordFrame, reason: str) -> None:
+        """A control frame could not be delivered: say so (``control_drop``), then cut the peer
+        (the machine hears PeerLost and declares the rank dead)."""
+        if peer.rank is not None:
+            path = self.machine.paths[peer.rank]
+            alert = Alert("control_drop", path, f"{frame.kind} to rank {peer.rank}: {reason}")
+            self._safe(self.sink.alert, alert)
+        self._close_peer(peer, reason)
 
 
 async def _wait_closed(writer: asyncio.StreamWriter) -> None:

@@ -27,7 +27,15 @@ from typing import Any, TypeVar
 import pytest
 
 from flodl.config import CoordConfig, ElCheConfig, validated
-from flodl.coord.effects import Alert, EpochDone, EvalDone, Record, Send, WriteMeta
+from flodl.coord.effects import (
+    Alert,
+    BundleRequested,
+    EpochDone,
+    EvalDone,
+    Record,
+    Send,
+    WriteMeta,
+)
 from flodl.coord.liveness import RankState
 from flodl.coord.machine import Coordinator
 from flodl.coord.server import CoordinatorServer
@@ -74,6 +82,7 @@ class CollectingSink:
 
     def __init__(self) -> None:
         self.metas: list[WriteMeta] = []
+        self.bundles: list[BundleRequested] = []
         self.records: list[Record] = []
         self.alerts: list[Alert] = []
         self.epochs: list[EpochDone] = []
@@ -82,6 +91,9 @@ class CollectingSink:
 
     def write_meta(self, effect: WriteMeta) -> None:
         self.metas.append(effect)
+
+    def bundle_requested(self, effect: BundleRequested) -> None:
+        self.bundles.append(effect)
 
     def record(self, effect: Record) -> None:
         self.records.append(effect)
@@ -542,6 +554,11 @@ async def test_slow_reader_is_disconnected_and_reported_lost() -> None:
         h.server._apply([Send(0, big)] * 64)
         _, alert = await h.sink.next_alert(rank_lost(0))
         assert "slow reader" in alert.detail and "high-water 1024" in alert.detail
+        [drop] = [a for a in h.sink.alerts if a.cls == "control_drop"]
+        assert (
+            drop.path == "root/rank0" and "epoch_aggregated to rank 0: slow reader" in drop.detail
+        )
+        assert h.sink.alerts.index(drop) < h.sink.alerts.index(alert)
         assert h.machine.liveness.state(0) is RankState.DEAD
         assert h.machine.liveness.state(1) is RankState.ALIVE
         assert h.sink.lost(1) == []
