@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sim(sub)
     _add_records(sub)
     _add_dashboard(sub)
+    _add_chaos(sub)
+    _add_demo(sub)
     return parser
 
 
@@ -418,6 +420,155 @@ def _run_dashboard(args: argparse.Namespace) -> int:
         return 130
     finally:
         server.stop()
+    return 0
+
+
+def _add_chaos(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "chaos",
+        help="run a training command with seeded faults injected into its ranks",
+        description=(
+            "Run COMMAND (a script whose Trainer launches ranks) and inject --kills faults into "
+            "distinct ranks, spaced by exponential gaps of mean --mtbf seconds of training, of "
+            "the kinds --signals names (KILL; STOP and CONT make a stop-then-continue hang of "
+            "--stop-s). Deterministic for a --seed. Each fault and the coordinator's recovery "
+            "(t_detect: fault → declared dead; t_resume: fault → the survivors' next reduce) "
+            "is written to the run's record log and printed as a table at the end."
+        ),
+    )
+    p.add_argument("--kills", type=int, required=True, help="how many faults (distinct ranks)")
+    p.add_argument("--mtbf", type=float, required=True, help="mean seconds between faults")
+    p.add_argument("--signals", default="KILL", help="comma list of KILL, STOP, CONT")
+    p.add_argument("--stop-s", type=float, default=2.0, help="how long a STOP lasts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--world-size", type=int, required=True, help="ranks the command launches")
+    p.add_argument("--spare", default="", help="comma list of ranks never hit")
+    p.add_argument("--records", help="record directory (default: a fresh temporary one)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- python train.py [args]")
+    p.set_defaults(command=_run_chaos)
+
+
+def _run_chaos(args: argparse.Namespace) -> int:
+    import os
+    import subprocess
+    import tempfile
+
+    from flodl.chaos import CHAOS_ENV, RECORD_DIR_ENV, ChaosPlan, recovery_table
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("flodl chaos: error: give the command to run after --", file=sys.stderr)
+        return 2
+    try:
+        spare = [int(r) for r in args.spare.split(",") if r.strip()]
+        plan = ChaosPlan.generate(
+            world_size=args.world_size,
+            kills=args.kills,
+            mtbf_s=args.mtbf,
+            seed=args.seed,
+            signals=[s for s in args.signals.split(",") if s.strip()],
+            stop_s=args.stop_s,
+            spare=spare,
+        )
+    except (ConfigError, ValueError) as exc:
+        print(f"flodl chaos: error: {exc}", file=sys.stderr)
+        return 2
+    records = args.records or tempfile.mkdtemp(prefix="flodl-chaos-")
+    print(f"flodl chaos: seed {plan.seed}, records in {records}", flush=True)
+    for f in plan.faults:
+        extra = f" for {f.duration_s:g} s" if f.duration_s else ""
+        print(f"  {f.kind} rank {f.rank} after {f.after_s:g} s of training{extra}", flush=True)
+    env = {**os.environ, CHAOS_ENV: plan.to_env(), RECORD_DIR_ENV: records}
+    try:
+        code = subprocess.call(cmd, env=env)
+    except OSError as exc:
+        print(f"flodl chaos: error: cannot run {cmd[0]!r}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        rows = recovery_table(records)
+    except ConfigError as exc:
+        print(f"flodl chaos: no records to read ({exc})", file=sys.stderr)
+        return code or 1
+
+    def secs(v: float | None) -> str:
+        return "—" if v is None else f"{v:.3f}"
+
+    print("\nfault                rank  step    t_detect_s  t_resume_s")
+    for r in rows:
+        step = "—" if r["step"] is None else str(r["step"])
+        print(
+            f"{r['fault']:<20} {r['rank']:>4}  {step:>6}  {secs(r['t_detect_s']):>10}  "
+            f"{secs(r['t_resume_s']):>10}"
+        )
+    if not rows:
+        print("(no fault fired: the run ended first)")
+    print(f"flodl chaos: the command exited {code}", flush=True)
+    return code
+
+
+def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from flodl.demo import DEFAULT_EPOCHS
+
+    p = sub.add_parser(
+        "demo",
+        help="train a character-level model on the stdlib's source: solo vs N unequal ranks",
+        description=(
+            "Train a small character-level language model on the Python standard library's "
+            "own source (no download): first one rank alone (the baseline), then N local CPU "
+            "ranks, some slowed to stand in for weaker GPUs, in the given mode; then print "
+            "accuracy, wall time, batch shares, syncs and anchor side by side. Writes the "
+            "record log, an HTML dashboard and a checkpoint under --out."
+        ),
+    )
+    p.add_argument("--mode", default="cpu_cadence", help=f"one of {', '.join(MODES)}")
+    p.add_argument("--ranks", type=int, default=2, help="local CPU ranks (default 2)")
+    p.add_argument(
+        "--slow",
+        action="append",
+        metavar="RANK:FACTOR",
+        help="make RANK FACTOR times slower (repeatable or comma-separated; default 1:3; "
+        "'none' for equal ranks)",
+    )
+    p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS, help="epochs of both runs")
+    p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
+    p.add_argument("--seed", type=int, default=0, help="model and shuffle seed")
+    p.set_defaults(command=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from flodl.demo import DemoOptions, parse_slow, run_demo
+    from flodl.errors import FlodlError
+
+    try:
+        options = DemoOptions(
+            mode=args.mode,
+            ranks=args.ranks,
+            slow={},
+            epochs=args.epochs,
+            out=args.out,
+            seed=args.seed,
+        )
+        options.check()  # the rank count first: --slow is checked against it
+        specs = args.slow if args.slow is not None else ["1:3"]
+        if specs != ["none"]:
+            options = dataclasses.replace(options, slow=parse_slow(specs, args.ranks))
+    except ConfigError as exc:
+        print(f"flodl demo: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        run_demo(options)
+    except ConfigError as exc:
+        print(f"flodl demo: error: {exc}", file=sys.stderr)
+        return 2
+    except FlodlError as exc:
+        print(f"flodl demo: the run failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 

@@ -1,0 +1,161 @@
+"""``flodl demo``: the README's first command runs end to end and refuses bad options."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flodl.cli import main
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(180)
+def test_demo_trains_solo_then_two_unequal_ranks_and_writes_its_files(tmp_path: Path) -> None:
+    out_dir = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "flodl", "demo", "--epochs", "1", "--out", str(out_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    # the two runs, in order, and the progress display of the distributed one
+    assert out.index("[1/2] solo baseline") < out.index("[2/2] cpu_cadence: 2 local CPU ranks")
+    assert "rank 1 slowed 3×" in out
+    assert "flodl ▏epoch 1/1" in out
+    summary = out[out.index("summary (") :]
+    rows = {line.split()[0] for line in summary.splitlines()[1:] if line.strip()}
+    assert {"accuracy", "wall", "training", "batch", "syncs", "anchor"} <= rows
+    accuracy = re.search(r"accuracy\s+([\d.]+) %\s+([\d.]+) % \(([+-][\d.]+) pp vs solo\)", summary)
+    assert accuracy is not None, summary
+    solo, dist = float(accuracy.group(1)), float(accuracy.group(2))
+    assert solo > 40.0 and dist > 40.0  # one epoch already beats the trivial ~30 %
+    share = re.search(r"batch share\s+r0 100%\s+r0 (\d+)% · r1 (\d+)%", summary)
+    assert share is not None, summary
+    assert int(share.group(1)) > int(share.group(2))  # the fast rank did more of the work
+    assert int(re.search(r"syncs\s+-\s+(\d+)", summary).group(1)) > 0  # type: ignore[union-attr]
+    # the files the summary points at
+    assert (out_dir / "records" / "root.log").stat().st_size > 0
+    assert "<html" in (out_dir / "dashboard.html").read_text().lower()
+    assert (out_dir / "checkpoint.fdl").stat().st_size > 0
+    meta = json.loads((out_dir / "checkpoint.meta.json").read_text())
+    assert isinstance(meta, dict)
+    for name in ("records", "dashboard.html", "checkpoint.fdl"):
+        assert name in summary
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--slow", "5:3"], "rank 5 is out of range for --ranks 2"),
+        (["--ranks", "3", "--slow", "1:3,1:2"], "rank 1 is given twice"),
+        (["--slow", "1:0.5"], "the factor must be a finite number >= 1"),
+        (["--slow", "fast"], "expected RANK:FACTOR"),
+        (["--mode", "nope"], "--mode 'nope': expected one of nccl_sync, nccl_cadence"),
+        (["--ranks", "1"], "--ranks 1: expected 2..16"),
+        (["--epochs", "0"], "--epochs 0: expected 1..1000"),
+    ],
+)
+def test_bad_options_exit_2_naming_the_problem(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert main(["demo", "--out", str(tmp_path / "never"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flodl demo: error: ")
+    assert message in err
+    assert not (tmp_path / "never").exists()  # refused before anything ran
+
+
+def test_bad_option_exits_2_from_the_console_entry() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "flodl", "demo", "--slow", "5:3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "rank 5 is out of range for --ranks 2" in proc.stderr
+
+
+def test_demo_task_is_deterministic_with_disjoint_held_out_windows() -> None:
+    import torch
+
+    from flodl.demo import VOCAB_SIZE, demo_task
+
+    a, b = demo_task(samples=2_000, held_out=500), demo_task(samples=2_000, held_out=500)
+    for ta, tb in zip(
+        (*a.train.tensors, *a.held_out), (*b.train.tensors, *b.held_out), strict=True
+    ):
+        assert torch.equal(ta, tb)
+    x, y = a.train.tensors
+    assert x.shape == (2_000, a.context) and y.shape == (2_000,)
+    assert int(x.max()) < VOCAB_SIZE and int(y.min()) >= 0
+    held = {tuple(row) for row in a.held_out[0].tolist()}
+    assert len(held) > 400  # distinct windows, not one repeated
+    assert 0.2 < a.trivial_accuracy < 0.4  # spaces dominate Python source
+    model = a.model_factory("cpu")
+    assert 0.0 <= a.eval_fn(model, a.held_out) <= 1.0
+    assert torch.equal(next(model.parameters()), next(b.model_factory("cpu").parameters()))
+
+
+def test_slowdown_sleeps_factor_minus_one_times_the_measured_step() -> None:
+    from flodl.demo import Slowdown
+
+    def busy(seconds: float) -> None:
+        import time
+
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    slow = Slowdown(3.0)
+    with slow.step():
+        busy(0.02)
+    assert slow.compute_s >= 0.02
+    assert slow.slept_s >= 2.0 * slow.compute_s  # a sleep never ends early
+    fwd = Slowdown(2.0, step_per_forward=4.0)
+    with fwd.forward():
+        busy(0.01)
+    assert fwd.compute_s >= 0.04 and fwd.slept_s >= fwd.compute_s
+    off = Slowdown(3.0, active=False)
+    with off.step():
+        busy(0.005)
+    assert off.slept_s == 0.0 and off.compute_s == 0.0
+
+
+def test_slowed_train_step_slows_only_its_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flodl.demo import demo_task, slowed
+
+    task = demo_task(samples=256, held_out=64)
+    model = task.model_factory("cpu")
+    batch = task.train.get_batch(list(range(64)))
+    for rank, expect_active in (("0", False), ("1", True), (None, False)):
+        if rank is None:
+            monkeypatch.delenv("FLODL_RANK", raising=False)
+        else:
+            monkeypatch.setenv("FLODL_RANK", rank)
+        step = slowed(task.train_step, 3.0, slow_rank=1)
+        loss = step(model, batch)
+        assert loss.dim() == 0
+        assert step.slowdown.active is expect_active  # type: ignore[attr-defined]
+
+
+def test_parse_slow_accepts_repeats_and_comma_lists() -> None:
+    from flodl.demo import parse_slow
+
+    assert parse_slow(["1:3"], 2) == {1: 3.0}
+    assert parse_slow(["1:3", "2:1.5,3:2"], 4) == {1: 3.0, 2: 1.5, 3: 2.0}
+    assert parse_slow([], 2) == {}
