@@ -1,0 +1,386 @@
+"""Run every benchmark at a small size and print one table of headline ratios vs targets.
+
+    python -m benchmarks [--quick] [--only NAME,...] [--skip NAME,...]
+
+Each ``benchmarks/bench_*.py`` runs in its own subprocess (``python benchmarks/<name>.py``,
+with the suite's size arguments and ``--json benchmarks/results/<name>.json``), one after the
+other, under a per-script time limit that keeps the whole suite under 15 minutes
+(``--quick``: a smoke run of a few minutes). The summary reads each script's JSON; a script
+that is missing, fails, times out or writes JSON of an unexpected shape gets a row that says
+so. A script the suite does not know runs with no arguments and gets a row with its exit
+status only. Exit status: 0 when every script ran (targets missed or not), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+SUITE_LIMIT_S = 15 * 60
+
+Headline = dict[str, Any]
+"""One summary row: ``metric`` (what), ``value`` (str), ``target`` (str), ``met`` (bool|None)."""
+
+
+def _row(metric: str, value: str, target: str = "", met: bool | None = None) -> Headline:
+    return {"metric": metric, "value": value, "target": target, "met": met}
+
+
+# ---------------------------------------------------------------------------------------------
+# headline extractors: JSON → rows (any KeyError/TypeError → "unexpected JSON" row)
+# ---------------------------------------------------------------------------------------------
+
+
+def _wire(d: dict[str, Any]) -> list[Headline]:
+    codec = d["codec"]
+    out = [
+        _row(
+            f"codec {k} round trip vs bare msgpack",
+            f"{codec['frames'][k]['ratio']:.2f}×",
+            f"≥ {codec['target_ratio']}×",
+            codec["frames"][k]["ratio"] >= codec["target_ratio"],
+        )
+        for k in ("heartbeat", "batch")
+    ]
+    loop = d["loopback"]["loops"]["uvloop"]
+    out.append(_row("loopback frames/s vs raw msgpack (uvloop)", f"{loop['ratio']:.2f}×"))
+    return out
+
+
+def _tensor_wire(d: dict[str, Any]) -> list[Headline]:
+    ratio = d["rows"]["f32"]["decode_vs_memcpy"]
+    target = d["target_decode_vs_memcpy"]
+    return [
+        _row(
+            f"f32 decode vs memcpy ({d['mib']} MiB)",
+            f"{ratio:.2f}×",
+            f"≥ {target}×",
+            d["target_met"],
+        )
+    ]
+
+
+def _coord(d: dict[str, Any]) -> list[Headline]:
+    rows = d["rows"]
+    big = max(rows, key=lambda r: r["world"])
+    small = min(rows, key=lambda r: r["world"])
+    per_rank = big["cycle_us_per_rank"] / small["cycle_us_per_rank"]
+    return [
+        _row(
+            f"{big['world']}-rank cycle overhead",
+            f"{big['cycle_us'] / 1000:.1f} ms",
+            "< 50 ms",
+            big["cycle_us"] < 50_000,
+        ),
+        _row(
+            f"µs per rank, {big['world']} vs {small['world']} ranks",
+            f"{per_rank:.2f}×",
+            "linear (flat per rank)",
+        ),
+    ]
+
+
+def _reduce(d: dict[str, Any]) -> list[Headline]:
+    out = []
+    for r in d["rows"]:
+        if r["world"] == 2 and r["mib"] == 64 and r["tags"] == "streamed":
+            out.append(
+                _row(
+                    f"CPU round vs Gloo, world 2, 64 MiB {r['wire']}",
+                    f"{r['ratio_vs_gloo']:.2f}×",
+                    f"≤ {r['target_ratio']}×",
+                    r["target_met"],
+                )
+            )
+    if not out:
+        raise KeyError("no world-2 64 MiB row")
+    return out
+
+
+def _convergence(d: dict[str, Any]) -> list[Headline]:
+    rows = [s for s in d["summary"] if s["mode"] != "solo"]
+    met = sum(1 for s in rows if s["target_met"])
+    worst = min(rows, key=lambda s: s["diff_pp"])
+    return [
+        _row(
+            "modes × ranks within 0.5 pp / 2 % of solo",
+            f"{met}/{len(rows)}",
+            "all",
+            met == len(rows),
+        ),
+        _row(
+            f"worst: {worst['mode']} ×{worst['ranks']} vs solo",
+            f"{worst['diff_pp']:+.2f} pp",
+            "≥ −0.5 pp or ≤ 2 % rel.",
+            worst["target_met"],
+        ),
+    ]
+
+
+def _overhead(d: dict[str, Any]) -> list[Headline]:
+    one, two = d["single"], d["two_ranks"]
+    return [
+        _row(
+            "one device: flodl / plain torch loop",
+            f"{one['ratio']:.2f}×",
+            f"≤ {one['target']}×",
+            one["met"],
+        ),
+        _row(
+            "2 equal ranks nccl_sync: flodl / DDP (training)",
+            f"{two['ratio_train']:.2f}×",
+            f"≤ {two['target']}×",
+            two["met"],
+        ),
+    ]
+
+
+def _hetero(d: dict[str, Any]) -> list[Headline]:
+    out = []
+    for t in d["targets"]:
+        where = f"{t['system']} ×{t['factor']:g} slow"
+        if t.get("met_vs_ddp") is None:
+            out.append(_row(f"{where}: vs DDP", "n/a", "≥ 1.5×", None))
+            out[-1]["note"] = t.get("why_vs_ddp", "")
+        else:
+            out.append(
+                _row(
+                    f"{where}: speed vs DDP, Δacc",
+                    f"{t['vs_ddp']:.2f}×, {100 * t['metric_delta_vs_ddp']:+.2f} pp",
+                    f"≥ {t['target_vs_ddp']}×, parity",
+                    t["met_vs_ddp"],
+                )
+            )
+        if t.get("met_vs_torchft") is None:
+            out.append(_row(f"{where}: vs torchft LocalSGD", "n/a", "≥ 1.2×", None))
+            out[-1]["note"] = t.get("why_vs_torchft", "")
+        else:
+            out.append(
+                _row(
+                    f"{where}: speed vs torchft LocalSGD",
+                    f"{t['vs_torchft']:.2f}×",
+                    f"≥ {t['target_vs_torchft']}×",
+                    t["met_vs_torchft"],
+                )
+            )
+    if not out:
+        raise KeyError("no targets (no cadence mode ran?)")
+    return out
+
+
+def _recovery(d: dict[str, Any]) -> list[Headline]:
+    out = []
+    for r in d["rows"]:
+        det, res = r["t_detect_s"], r["t_resume_s"]
+        if r["system"] == "flodl" and r["path"] == "kill":
+            value = (
+                "n/a"
+                if det["max"] is None
+                else f"detect {1000 * det['max']:.0f} ms, resume "
+                + ("-" if res["max"] is None else f"{1000 * res['max']:.0f} ms")
+            )
+            out.append(_row("flodl SIGKILL (worst trial)", value, "< 200 ms, < 2 s", r.get("met")))
+        elif r["system"] == "flodl" and r["path"] == "stop":
+            over = r.get("detect_minus_timeout_s", {}).get("max")
+            after = r.get("resume_after_detect_s", {}).get("max")
+            value = (
+                "n/a"
+                if over is None
+                else f"detect−timeout {1000 * over:.0f} ms, resume−detect "
+                + ("-" if after is None else f"{1000 * after:.0f} ms")
+            )
+            out.append(
+                _row("flodl SIGSTOP (heartbeat, worst trial)", value, "< 1 s, < 2 s", r.get("met"))
+            )
+        else:
+            label = f"torchft SIGKILL ({r.get('variant') or '?'} lighthouse, median)"
+            value = (
+                "n/a"
+                if det["median"] is None
+                else f"detect {1000 * det['median']:.0f} ms, resume "
+                + ("-" if res["median"] is None else f"{1000 * res['median']:.0f} ms")
+            )
+            row = _row(label, value, "reference")
+            if r.get("errors"):
+                row["note"] = r["errors"][0][:120]
+            out.append(row)
+    return out
+
+
+@dataclass
+class Spec:
+    """How the suite runs one script."""
+
+    args: list[str]
+    quick_args: list[str]
+    limit_s: float
+    headline: Callable[[dict[str, Any]], list[Headline]]
+    json_flag: bool = True
+
+
+# Per-script limits (seconds) sum to 15 min; measured here (2 shared cores, load ≈ 3) the
+# default sizes take ≈ 5 min in all and --quick ≈ 3 min. Sizes are the scripts' own
+# quick/small options.
+SPECS: dict[str, Spec] = {
+    "bench_wire": Spec(["--quick"], ["--quick"], 60, _wire),
+    "bench_tensor_wire": Spec(["--mib", "32"], ["--mib", "8"], 60, _tensor_wire),
+    "bench_coord": Spec(["--quick"], ["--quick"], 60, _coord),
+    "bench_reduce": Spec(["--quick"], ["--quick", "--reps", "1"], 150, _reduce),
+    "bench_convergence": Spec(
+        ["--seeds", "1", "--epochs", "1", "--samples", "12000", "--ranks", "2"],
+        ["--seeds", "1", "--epochs", "1", "--samples", "6000", "--ranks", "2"],
+        150,
+        _convergence,
+    ),
+    "bench_overhead": Spec(
+        ["--repeat", "1", "--single-repeat", "2", "--samples", "16000"],
+        ["--repeat", "1", "--single-repeat", "1", "--samples", "8000"],
+        120,
+        _overhead,
+    ),
+    "bench_hetero": Spec(
+        ["--factors", "3", "--epochs", "2", "--repeat", "1"],
+        ["--quick", "--factors", "3"],
+        150,
+        _hetero,
+    ),
+    "bench_recovery": Spec(["--trials", "1"], ["--quick", "--paths", "kill"], 150, _recovery),
+}
+
+
+def discover() -> list[str]:
+    """Every known script in suite order (a missing one gets a "missing" row), then any other
+    ``bench_*.py`` by name."""
+    present = sorted(p.stem for p in HERE.glob("bench_*.py"))
+    return list(SPECS) + [n for n in present if n not in SPECS]
+
+
+def run_script(name: str, quick: bool, deadline: float) -> dict[str, Any]:
+    """Run one script; returns status, seconds and its headline rows."""
+    spec = SPECS.get(name)
+    path = HERE / f"{name}.py"
+    out_json = RESULTS / f"{name}.json"
+    argv = [sys.executable, str(path)]
+    limit = 600.0
+    if spec is not None:
+        argv += spec.quick_args if quick else spec.args
+        if spec.json_flag:
+            argv += ["--json", str(out_json)]
+        limit = spec.limit_s
+    limit = max(10.0, min(limit, deadline - time.perf_counter()))
+    if not path.exists():
+        return {"name": name, "status": "missing", "seconds": 0.0, "rows": []}
+    if out_json.exists() and spec is not None:
+        out_json.unlink()  # never summarize a stale file
+    log = RESULTS / f"{name}.log"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    print(f"\n=== {name}: {' '.join(argv[2:])} (limit {limit:.0f} s)", flush=True)
+    t0 = time.perf_counter()
+    try:
+        with log.open("wb") as sink:
+            proc = subprocess.run(
+                argv, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, timeout=limit, check=False
+            )
+        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        status = f"timeout {limit:.0f} s"
+    seconds = time.perf_counter() - t0
+    print(f"    {status} in {seconds:.0f} s (output: {log.relative_to(REPO)})", flush=True)
+    result: dict[str, Any] = {"name": name, "status": status, "seconds": seconds, "rows": []}
+    if status != "ok":
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        result["note"] = " | ".join(tail)[-200:]
+        return result
+    if spec is None:
+        result["note"] = "no headline extractor in benchmarks/__main__.py"
+        return result
+    try:
+        data = json.loads(out_json.read_text())
+        result["rows"] = spec.headline(data)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        result["status"] = "bad JSON"
+        result["note"] = f"{type(exc).__name__}: {exc}"[:200]
+    return result
+
+
+def print_summary(results: list[dict[str, Any]], total_s: float) -> None:
+    lines: list[list[str]] = []
+    for r in results:
+        if not r["rows"]:
+            lines.append([r["name"], r["status"], r.get("note", ""), "", "", f"{r['seconds']:.0f}"])
+            continue
+        for i, h in enumerate(r["rows"]):
+            verdict = {True: "met", False: "NOT met", None: "-"}[h["met"]]
+            metric = h["metric"] + (f" [{h['note'][:80]}]" if h.get("note") else "")
+            lines.append(
+                [
+                    r["name"] if i == 0 else "",
+                    metric,
+                    h["value"],
+                    h["target"],
+                    verdict,
+                    f"{r['seconds']:.0f}" if i == 0 else "",
+                ]
+            )
+    headers = ["script", "headline", "value", "target", "", "s"]
+    widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(headers)]
+    print(f"\nbenchmark summary (total {total_s:.0f} s; details in benchmarks/results/)")
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
+    print("  ".join("-" * w for w in widths))
+    for row in lines:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smoke sizes (a few minutes)")
+    p.add_argument("--only", default="", help="comma-separated script names (bench_x)")
+    p.add_argument("--skip", default="", help="comma-separated script names to leave out")
+    p.add_argument("--list", action="store_true", help="print the plan and exit")
+    args = p.parse_args(argv)
+    names = discover()
+    only = {n.strip() for n in args.only.split(",") if n.strip()}
+    skip = {n.strip() for n in args.skip.split(",") if n.strip()}
+    if only:
+        names = [n for n in names if n in only] + sorted(only - set(names))
+    names = [n for n in names if n not in skip]
+    if args.list:
+        for n in names:
+            spec = SPECS.get(n)
+            size = (
+                "(no arguments)"
+                if spec is None
+                else " ".join(spec.quick_args if args.quick else spec.args)
+            )
+            print(f"{n} {size}")
+        return 0
+    try:
+        load = os.getloadavg()[0]
+        print(f"python -m benchmarks{' --quick' if args.quick else ''}: load average {load:.2f}")
+    except OSError:
+        pass
+    t0 = time.perf_counter()
+    deadline = t0 + SUITE_LIMIT_S
+    results = [run_script(n, args.quick, deadline) for n in names]
+    total = time.perf_counter() - t0
+    print_summary(results, total)
+    write = RESULTS / "summary.json"
+    write.write_text(
+        json.dumps({"quick": args.quick, "total_s": total, "scripts": results}, indent=2)
+    )
+    return 0 if all(r["status"] == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
