@@ -168,7 +168,7 @@ class ChaosPlan:
             return cls(faults, int(data.get("seed", 0)))
         except ConfigError:
             raise
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
             raise ConfigError(f"{CHAOS_ENV} is not a valid chaos plan: {exc}") from None
 
     def for_rank(self, rank: int) -> list[Fault]:

@@ -781,8 +781,8 @@ def read_meta(stem: str | os.PathLike[str], *, world_size: int | None = None) ->
         raise CheckpointError(f"{path}: cannot read the checkpoint meta: {exc}") from exc
     try:
         raw = json.loads(text)
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+        raise CheckpointError(f"{path}: not JSON: {type(exc).__name__}: {exc}") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: the meta must be a JSON object, not {type(raw).__name__}")
     version = raw.get("schema_version")
@@ -899,7 +899,7 @@ def read_death_record(path_or_stem: str | os.PathLike[str], rank: int | None = N
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"no death record at {path}") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path}: not a JSON death record: {exc}") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: a death record must be a JSON object")

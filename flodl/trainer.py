@@ -730,7 +730,7 @@ def _rank_spec(c: TrainerConfig) -> RankSpec:
         device=os.environ.get(ENV_DEVICE, "cpu"),
         liveness_timeout_s=hb,
         collective_timeout_s=hb * 2.0 / 3.0,  # below liveness: no rank hangs in a collective
-        hard_exit_grace_s=max(1.0, hb / 3.0),
+        hard_exit_grace_s=max(2.0, hb / 3.0),
         stem=os.environ.get(ENV_STEM) or None,
         threads=int(threads) if threads else None,
         connect_timeout_s=hb,
@@ -944,12 +944,13 @@ def _launch(job: TrainJob, c: TrainerConfig, cluster: Cluster) -> TrainerHandle:
         raise FlodlError(f"the coordinator failed to start: {got}") from got
     port = got
     if not all_local:
-        logger.warning(
-            "coordinator listening on %s:%d for ranks on other hosts: traffic is authenticated "
-            "(HMAC) but not encrypted; tunnel it across untrusted networks",
-            bind_host,
-            port,
+        # printed as well as logged: it must be seen even where logging is not configured
+        warning = (
+            f"coordinator listening on {bind_host}:{port} for ranks on other hosts: traffic is "
+            "authenticated (HMAC) but not encrypted; tunnel it across untrusted networks"
         )
+        logger.warning("%s", warning)
+        print(f"flodl: warning: {warning}", file=sys.stderr, flush=True)  # noqa: T201
     slots = cluster.ranks()
     per_worker = {
         i: sum(1 for s in slots if s.worker_index == i) for i in range(len(cluster.workers))

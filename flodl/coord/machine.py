@@ -504,6 +504,10 @@ class Coordinator:
         state = self.liveness.state(rank)
         if state is RankState.ALIVE:
             self._declare_dead(rank, reason, now, out)
+        elif state is RankState.JOINING and self.phase is RunPhase.FORMING:
+            # its process is gone before it ever joined (a bad bundle, an import error): the
+            # cohort can never form, so fail now instead of at the formation timeout
+            self._finish_run(out, ok=False, reason=f"rank {rank} never joined: {reason}")
 
     # =========================================================================================
     # Rank frames

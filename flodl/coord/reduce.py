@@ -23,8 +23,9 @@ A round (one averaging ``cycle``):
    by ``w_k``; an idle rank sends weight 0 and elided zeros) and a BUFFERS frame (weight 1.0 for
    a rank that stepped, a *mover*, else 0.0; unscaled float buffers). Uploads may arrive before
    :meth:`~ReduceServer.open_round` (they wait for it); an upload to a round that is complete,
-   superseded or does not expect the rank closes that connection. Round 0 is the initial
-   broadcast: rank 0 uploads weight 1, the others weight 0, so the consensus is rank 0's state.
+   superseded or does not expect the rank closes that connection. The ``broadcast_round`` (the
+   coordinator's round 0) is the initial broadcast: its consensus is the lowest contributing
+   rank's upload as is (ranks all upload their state, so it survives rank 0 dying first).
    Payloads land in per-rank buffers allocated from that rank's first frame (one flat tensor
    per dtype) and reused every round; a frame whose layout differs from the model's (the first
    frame of its kind from any rank) is refused.
@@ -63,12 +64,14 @@ import queue
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Self
 
 import torch
 
+from flodl.coord.refusals import Refusals
 from flodl.errors import FrameError, LocalProtocolError
 from flodl.outer import OuterConfig, OuterStep
 from flodl.wire.tensors import (
@@ -289,6 +292,9 @@ class ReduceServer:
             :data:`~flodl.wire.tensors.DEFAULT_MAX_FRAME_BYTES` (1 GiB). Pass
             ``frame_ceiling(model_nbytes)`` for models over 512 MiB.
         read_timeout_s: deadline of each read inside a frame and of each send, seconds.
+        outer / outer_state: the outer optimizer applied to each folded consensus (CPU
+            placement) and the momentum to restore.
+        broadcast_round: see :attr:`broadcast_round`.
 
     Thread safety: :meth:`open_round`, :meth:`rank_dead` and :meth:`close` may be called from
     any thread (the coordinator calls them from its event loop); they never block on I/O.
@@ -306,6 +312,7 @@ class ReduceServer:
         read_timeout_s: float = READ_TIMEOUT_S,
         outer: OuterConfig | None = None,
         outer_state: dict[str, list[torch.Tensor]] | None = None,
+        broadcast_round: int | None = None,
     ) -> None:
         if world_size < 1:
             raise LocalProtocolError(f"world_size must be >= 1, got {world_size}")
@@ -320,6 +327,9 @@ class ReduceServer:
             DEFAULT_MAX_FRAME_BYTES if max_frame_bytes is None else max_frame_bytes
         )
         self.read_timeout_s = read_timeout_s
+        self.broadcast_round = broadcast_round
+        """The round whose consensus is the lowest contributor's upload as is (the initial
+        broadcast; ``None``: every round averages)."""
         self._cond = threading.Condition(threading.Lock())
         self._closing = False
         self._started = False
@@ -346,6 +356,9 @@ class ReduceServer:
         self._outer = OuterStep(outer) if outer is not None and not outer.is_identity else None
         self._outer_resume = outer_state
         self._outer_lock = threading.Lock()
+        self.refusals = Refusals(logger)
+        """Every refused or cut data connection, counted by reason (logged within a budget)."""
+        self._refusals_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> int:
@@ -491,10 +504,14 @@ class ReduceServer:
             with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
 
+    def _refuse(self, reason: str, msg: str, *args: object) -> None:
+        with self._refusals_lock:
+            self.refusals.refuse(time.perf_counter(), reason, msg, *args)
+
     def _kick(self, rank: int, reason: str) -> None:
         conn = self._by_rank.get(rank)
         if conn is not None and not conn.closed:
-            logger.warning("closing the data connection of rank %d: %s", rank, reason)
+            self._refuse(reason, "closing the data connection of rank %d: %s", rank, reason)
             self._shut(conn)
 
     def _maybe_freeze(self, rnd: _Round) -> None:
@@ -548,7 +565,8 @@ class ReduceServer:
                     return
                 self._conns = {c for c in self._conns if not c.released or _alive(c.thread)}
                 if len(self._conns) >= limit:
-                    logger.warning("refused data connection from %s: %d already open", peer, limit)
+                    why = f"{limit} data connections already open"
+                    self._refuse(why, "refused data connection from %s: %s", peer, why)
                     sock.close()
                     continue
                 conn = _Conn(sock, peer)
@@ -575,9 +593,11 @@ class ReduceServer:
             if conn.closed:
                 logger.debug("data connection of %s ended: %s", what, exc)
             elif isinstance(exc, TimeoutError):
-                logger.warning("closing the data connection of %s: read timeout", what)
+                self._refuse(
+                    "read timeout", "closing the data connection of %s: %s", what, "read timeout"
+                )
             else:
-                logger.warning("closing the data connection of %s: %s", what, exc)
+                self._refuse(str(exc), "closing the data connection of %s: %s", what, exc)
         except Exception:
             logger.exception("reduce connection thread of %s failed", conn.peer)
         finally:
@@ -747,15 +767,18 @@ class ReduceServer:
             if self._closing:
                 return
         uploads = [rnd.uploads[r] for r in contributors]
+        # the initial broadcast folds only the lowest live rank's state, as is (every rank
+        # uploads its own, so the round survives rank 0 dying before it uploaded)
+        folded = uploads[:1] if rnd.cycle == self.broadcast_round else uploads
         weight_total = 0.0
-        for upload in uploads:
+        for upload in folded:
             weight_total += upload.weight
-        movers = [u for u in uploads if u.mover]
+        movers = [u for u in folded if u.mover]
         frames: dict[int, tuple[_Outgoing, _Outgoing]] = {}
         outgoing: list[_Outgoing] = []
         if uploads:
             kinds = (TensorKind.MODEL_PARAMS, TensorKind.MODEL_BUFFERS)
-            weighted = [u.params for u in uploads if u.weight > 0]
+            weighted = [u.params for u in folded if u.weight > 0]
             divisors = (weight_total, float(len(movers)))
             self._folds += 1
             with torch.no_grad():

@@ -49,8 +49,9 @@ from flodl.coord.effects import (
 )
 from flodl.coord.inputs import ChildExited, Input, PeerLost, ReduceDone
 from flodl.coord.machine import Coordinator
+from flodl.coord.refusals import Refusals
 from flodl.errors import FrameError
-from flodl.wire.codec import AnyFrame
+from flodl.wire.codec import MAX_CONTROL_FRAME_BYTES, AnyFrame
 from flodl.wire.frames import (
     RANK_FRAME_KINDS,
     Accept,
@@ -67,6 +68,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_HIGH_WATER = 4 * 1024 * 1024
 """Bytes queued to one peer beyond which it is a slow reader and gets disconnected."""
+HELLO_MAX_BYTES = 64 * 1024
+"""Ceiling on a connection's first frame: until it authenticated with a hello, a peer can make
+the coordinator buffer no more than this (the full control ceiling applies afterwards)."""
+MAX_UNAUTHENTICATED = 256
+"""Connections that have not said hello yet, at most: a new one evicts the oldest waiting one
+(idle and slowloris connections rotate out; a real rank says hello within milliseconds)."""
 
 
 class EffectSink(Protocol):
@@ -119,6 +126,9 @@ class _Peer:
     rank: int | None = None
     role: str = "rank"
     supervisor: bool = False
+    authenticated: bool = False
+    evicted: bool = False
+    accepted_at: int = 0
     closed: bool = False
     reason: str = ""
     task: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -163,6 +173,9 @@ class CoordinatorServer:
         self.reduce = reduce
         self._high_water = high_water
         self._hello_timeout_s = hello_timeout_s
+        self.refusals = Refusals(logger)
+        """Every refused or cut connection, counted by reason (logged within a budget)."""
+        self._accepts = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
         self._peers: set[_Peer] = set()
@@ -237,9 +250,21 @@ class CoordinatorServer:
         address = f"{peername[0]}:{peername[1]}" if peername else "?"
         writer.transport.set_write_buffer_limits(high=self._high_water)
         peer = _Peer(
-            FrameReader(reader, self._secret), FrameWriter(writer, self._secret), writer, address
+            FrameReader(reader, self._secret, max_bytes=HELLO_MAX_BYTES),
+            FrameWriter(writer, self._secret),
+            writer,
+            address,
         )
         peer.task = asyncio.current_task()
+        waiting = [p for p in self._peers if not p.authenticated and not p.closed]
+        if len(waiting) >= MAX_UNAUTHENTICATED:
+            oldest = min(waiting, key=lambda p: p.accepted_at)
+            oldest.reason = f"evicted: {len(waiting)} connections waited for a hello"
+            self._refuse(oldest.address, oldest.reason)
+            oldest.evicted = True
+            self._close_peer(oldest, oldest.reason, report=False)
+        peer.accepted_at = self._accepts
+        self._accepts += 1
         self._peers.add(peer)
         try:
             await self._serve(peer)
@@ -255,32 +280,36 @@ class CoordinatorServer:
         try:
             first = await asyncio.wait_for(peer.reader.read(), self._hello_timeout_s)
         except TimeoutError:
-            peer.reason = f"no hello within {self._hello_timeout_s:g} s"
-            logger.warning("closing %s: %s", peer.address, peer.reason)
+            if not peer.evicted:  # an evicted peer was counted once, at the eviction
+                peer.reason = f"no hello within {self._hello_timeout_s:g} s"
+                self._refuse(peer.address, peer.reason)
             return
         except FrameError as exc:
-            peer.reason = f"bad first frame: {exc}"
-            logger.warning("closing %s: %s", peer.address, peer.reason)
+            if not peer.evicted:
+                peer.reason = f"bad first frame: {exc}"
+                self._refuse(peer.address, peer.reason)
             return
         except (ConnectionError, OSError) as exc:
             peer.reason = f"connection error before hello: {exc}"
             return
-        if first is None:
+        if first is None or peer.evicted:
             return
         if not isinstance(first, Hello):
             peer.reason = f"first frame is {first.kind!r}, not 'hello'"
-            logger.warning("closing %s: %s", peer.address, peer.reason)
+            self._refuse(peer.address, peer.reason)
             return
         peer.role = first.role
         self._dispatch(first, peer)
         if peer.closed:
             return
+        peer.authenticated = True
+        peer.reader.max_bytes = MAX_CONTROL_FRAME_BYTES  # authenticated and accepted
         while not peer.closed:
             try:
                 frame = await peer.reader.read()
             except FrameError as exc:
                 peer.reason = f"bad frame: {exc}"
-                logger.warning("closing %s (rank %s): %s", peer.address, peer.rank, peer.reason)
+                self._refuse(peer.address, peer.reason, peer.rank)
                 return
             except (ConnectionError, OSError) as exc:
                 peer.reason = f"connection error: {exc}"
@@ -291,9 +320,17 @@ class CoordinatorServer:
             problem = self._check_sender(peer, frame)
             if problem is not None:
                 peer.reason = problem
-                logger.warning("closing %s (rank %s): %s", peer.address, peer.rank, problem)
+                self._refuse(peer.address, problem, peer.rank)
                 return
             self._dispatch(frame, peer)  # type: ignore[arg-type]
+
+    def _refuse(self, address: str, reason: str, rank: int | None = None) -> None:
+        loop = self._loop
+        now = loop.time() if loop is not None else 0.0
+        if rank is None:
+            self.refusals.refuse(now, reason, "closing %s: %s", address, reason)
+        else:
+            self.refusals.refuse(now, reason, "closing %s (rank %s): %s", address, rank, reason)
 
     def _check_sender(self, peer: _Peer, frame: AnyFrame) -> str | None:
         if frame.kind not in RANK_FRAME_KINDS or isinstance(frame, Hello):
@@ -362,7 +399,7 @@ class CoordinatorServer:
                     self._reply(frame)
                 case RefusePeer(reason=reason):
                     if self._current is not None:
-                        logger.warning("refused %s: %s", self._current.address, reason)
+                        self._refuse(self._current.address, reason)
                         self._current.reason = reason
                         self._close_peer(self._current, reason, report=False)
                 case Close(rank=rank, reason=reason):

@@ -73,6 +73,7 @@ class CoordinatorService:
                 on_done=self._on_reduce_done,
                 outer=self._outer,
                 outer_state=self._outer_state,
+                broadcast_round=0,
             )
             data_port = self._reduce.start()
         else:

@@ -167,6 +167,8 @@ class RankBridge:
             ends the process. See the module docstring.
         on_lost: called once with the reason when the coordinator is lost, on the bridge
             thread; it should return promptly. Exceptions it raises are logged.
+        on_hard_exit: called with the reason just before the hard exit (timer thread), e.g. to
+            write a death record; exceptions it raises are logged.
         loop_factory: builds the bridge thread's event loop (default: uvloop if importable,
             else the stdlib loop).
 
@@ -186,6 +188,7 @@ class RankBridge:
         connect_timeout_s: float = 30.0,
         hard_exit_grace_s: float | None = 10.0,
         on_lost: Callable[[str], None] | None = None,
+        on_hard_exit: Callable[[str], None] | None = None,
         loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
     ) -> None:
         for name, value in (
@@ -213,6 +216,7 @@ class RankBridge:
         self._connect_timeout_s = float(connect_timeout_s)
         self._hard_exit_grace_s = None if hard_exit_grace_s is None else float(hard_exit_grace_s)
         self._on_lost = on_lost
+        self._on_hard_exit = on_hard_exit
         self._loop_factory = loop_factory or _default_loop_factory
         self._log = _RankLog(logger, hello.rank)
 
@@ -692,6 +696,11 @@ class RankBridge:
             self._hard_exit_grace_s,
             HARD_EXIT_CODE,
         )
+        if self._on_hard_exit is not None:
+            try:  # best effort and quick (a death record), never a reason not to exit
+                self._on_hard_exit(reason)
+            except Exception:  # noqa: BLE001 - nothing may stop the exit
+                self._log.exception("on_hard_exit failed")
         os._exit(HARD_EXIT_CODE)
 
     def _request_stop(self, flush_s: float) -> None:

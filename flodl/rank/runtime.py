@@ -418,6 +418,7 @@ class RankLoop:
             hello,
             liveness_timeout_s=spec.liveness_timeout_s,
             hard_exit_grace_s=spec.hard_exit_grace_s,
+            on_hard_exit=self._hard_exit_record,
             connect_timeout_s=spec.connect_timeout_s,
         )
         accept = self.bridge.start()
@@ -427,6 +428,14 @@ class RankLoop:
             self.chaos.abort_control = lambda: bridge.abort("chaos: control connection cut")
             self.chaos.abort_data = lambda: self.client.abort() if self.client else None
         return accept
+
+    def _hard_exit_record(self, reason: str) -> None:
+        """The bridge is about to end the process: leave the death record the main thread,
+        stuck somewhere, could not write."""
+        spec = self.spec
+        if spec.stem is not None:
+            why = f"coordinator lost: {reason} (the main thread did not return in time)"
+            write_death_record(spec.stem, spec.rank, spec.world_size, why)
 
     def begin(self, accept: Accept) -> None:
         """Wait for the cohort, connect the averaging backend, take rank 0's state."""
@@ -499,13 +508,13 @@ class RankLoop:
 
     def _initial_broadcast(self) -> None:
         """Replicas start identical: rank 0's parameters and float buffers everywhere
-        (collective: redone from the new group's rank 0 if a peer dies meanwhile; CPU: if rank 0
-        dies before uploading, the round has no weight and each rank keeps its own state until
-        the first reduce makes them one)."""
+        (collective: redone from the new group's rank 0 if a peer dies meanwhile; CPU: the
+        reduce server keeps the lowest contributing rank's upload, so rank 0 dying first is
+        survived the same way)."""
         with torch.no_grad():
             if self.client is not None:
-                root = self.spec.rank == 0
-                self.client.reduce(0, self.params, 1.0 if root else 0.0, self.fbuffers, root)
+                # every rank uploads; the server keeps the lowest live rank's state
+                self.client.reduce(0, self.params, 1.0, self.fbuffers, True)
             else:
                 # An all-reduce with weight 1 at the group's rank 0 (the lowest live global
                 # rank), 0 elsewhere: bit-exact rank 0's state, and unlike a broadcast a dead

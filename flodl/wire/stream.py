@@ -41,6 +41,15 @@ class FrameReader:
         self.seq = 0
         """Number of frames read so far (the next frame's expected sequence number)."""
 
+    @property
+    def max_bytes(self) -> int:
+        """Ceiling on the next frame's body; raise it once the peer has authenticated."""
+        return self._max_bytes
+
+    @max_bytes.setter
+    def max_bytes(self, value: int) -> None:
+        self._max_bytes = value
+
     async def read(self) -> AnyFrame | None:
         """Return the next frame, or ``None`` on a clean EOF at a frame boundary.
 

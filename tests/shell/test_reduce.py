@@ -722,3 +722,20 @@ def test_hello_layout() -> None:
         check_data_ack(SECRET, hello, encode_data_ack(SECRET, encode_data_hello(SECRET, 2, 8)))
     with pytest.raises(FrameError, match="magic"):
         check_data_ack(SECRET, hello, hello)
+
+
+def test_the_broadcast_round_keeps_the_lowest_live_ranks_state() -> None:
+    """The initial broadcast survives rank 0 dying first: rank 1's state goes to everyone."""
+    params = [model(r, ((16,), (4, 4))) for r in range(3)]
+    rank1 = [p.clone() for p in params[1]]
+    with serving(3) as (server, done), clients(server, [1, 2]) as cs:
+        server.broadcast_round = 0
+        server.open_round(0, [0, 1, 2])
+        server.rank_dead(0)  # rank 0 died before it uploaded
+        workers = [
+            Worker(lambda r=r: cs[r].reduce(0, params[r], 1.0, [], True)) for r in (1, 2)
+        ]
+        assert [w.result() for w in workers] == [(1.0, 1.0)] * 2
+        for r in (1, 2):
+            assert all(torch.equal(a, b) for a, b in zip(params[r], rank1, strict=True))
+        assert [c[1] for c in done.wait(1)] == [(1, 2)]

@@ -1027,3 +1027,13 @@ def test_resume_skips_probe_and_trains_only_the_uncovered_ranges() -> None:
     assert meta["coverage"]["per_epoch"] == [
         {"epoch": 1, "total_samples": 640, "uncovered_ranges": [[320, 320]]}
     ]
+
+
+def test_a_rank_whose_process_exits_before_joining_fails_the_formation_at_once() -> None:
+    c = Cluster(make_config("cpu_cadence", world_size=3))
+    c.feed(hello(0, 3))
+    effects = c.feed(ChildExited(2, 1))
+    [over] = of(effects, RunOver)
+    assert not over.ok and over.reason == "rank 2 never joined: process exited with code 1"
+    assert [r for r, _ in sends(effects, Shutdown)] == [0]  # the joined rank is told to stop
+    assert c.coord.done
