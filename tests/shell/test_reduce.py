@@ -732,9 +732,7 @@ def test_the_broadcast_round_keeps_the_lowest_live_ranks_state() -> None:
         server.broadcast_round = 0
         server.open_round(0, [0, 1, 2])
         server.rank_dead(0)  # rank 0 died before it uploaded
-        workers = [
-            Worker(lambda r=r: cs[r].reduce(0, params[r], 1.0, [], True)) for r in (1, 2)
-        ]
+        workers = [Worker(lambda r=r: cs[r].reduce(0, params[r], 1.0, [], True)) for r in (1, 2)]
         assert [w.result() for w in workers] == [(1.0, 1.0)] * 2
         for r in (1, 2):
             assert all(torch.equal(a, b) for a, b in zip(params[r], rank1, strict=True))
