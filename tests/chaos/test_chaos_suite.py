@@ -1,7 +1,7 @@
 """The chaos suite: real 4-rank runs of every mode with seeded faults at seeded moments.
 
 Each run of the user script (``tests/integration/callbacks_main.py``) carries a
-:class:`~flodl.chaos.ChaosPlan` of five faults on the four ranks: one fatal fault (SIGKILL,
+:class:`~flodl.chaos.ChaosPlan` of six faults on the four ranks: one fatal fault (SIGKILL,
 a cut control or data connection, a kill inside an averaging cycle, inside a callback or inside
 a bundle save — at step 0 it lands in the initial broadcast), a stop-then-continue hang shorter
 than the heartbeat timeout, a delayed averaging upload, and a second SIGKILL later on. Some runs
@@ -15,7 +15,7 @@ parameters. A fault counts as a scenario when it fired (its ``chaos`` record is 
 log); the CI-sized suite needs at least 100. ``FLODL_CHAOS_RUNS=N`` runs N plans per mode (a
 longer soak; default 5).
 
-(The hung rank also gets a second slow upload later.)
+(The hung rank also gets a second slow upload later, the slowed one a short hang.)
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ FIRED: list[dict[str, Any]] = []  # every fault that fired, across the session
 
 
 def plan_for(mode: str, index: int) -> tuple[ChaosPlan, dict[str, Any]]:
-    """Five faults on the four ranks at seeded moments, and the run's options."""
+    """Six faults on the four ranks at seeded moments, and the run's options."""
     rng = random.Random(f"{mode}/{index}")
     ranks = rng.sample(range(WORLD), WORLD)
     fatal_kinds = [k for k in FATAL if mode.startswith("cpu_") or k != "close_data"]
@@ -69,6 +69,7 @@ def plan_for(mode: str, index: int) -> tuple[ChaosPlan, dict[str, Any]]:
         Fault("delay_reduce", ranks[2], step=rng.randint(1, 60), duration_s=0.5),
         Fault("kill", ranks[3], step=rng.randint(40, 90)),
         Fault("delay_reduce", ranks[1], step=rng.randint(61, 90), duration_s=0.3),
+        Fault("stop", ranks[2], step=rng.randint(61, 90), duration_s=0.5),
     )
     options = {
         # the callback role sits on the rank armed to die inside a callback

@@ -24,7 +24,7 @@ def test_record_tree_reports_alerts_and_progress_of_a_three_rank_run(tmp_path: P
         "a",
         *("--ranks", "3", "--epochs", "2", "--samples", "4096", "--max-anchor", "10"),
         *("--records", str(rec), "--reports", "4", "--progress", "--rows-sum"),
-        *("--crash-rank", "2", "--crash-step", "60"),
+        *("--crash-rank", "2", "--crash-step", "30"),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert done(out.stdout)["save_reason"] is None

@@ -508,7 +508,7 @@ async def test_a_real_hello_recorded_from_one_run_is_refused_by_another(
         assert isinstance(reject, Reject)
         assert "run id 'run-a' does not match this run ('run-c')" in reject.reason
         assert service.machine.liveness.joined_count() == 0
-        assert re.search(r"refused \S+: run id 'run-a' does not match", caplog.text)
+        assert re.search(r"(?:refused|closing) \S+: run id 'run-a' does not match", caplog.text)
     finally:
         await service.close()
 
