@@ -9,7 +9,8 @@ flodl coord --world-size 2 --dataset-len 4096 --epochs 3 --mode cpu_cadence \
 coord_pid=$!
 for _ in $(seq 100); do grep -q FLODL_COORD= "$secret_dir/coord.log" 2>/dev/null && break; sleep 0.1; done
 address=$(grep -o 'FLODL_COORD=[^ ]*' "$secret_dir/coord.log" | cut -d= -f2)
-FLODL_COORD=$address FLODL_SECRET_FILE=$secret_dir/secret \
+run_id=$(grep -o 'FLODL_RUN_ID=[^ ]*' "$secret_dir/coord.log" | cut -d= -f2)
+FLODL_COORD=$address FLODL_SECRET_FILE=$secret_dir/secret FLODL_RUN_ID=$run_id \
     python -m torch.distributed.run --standalone --nproc-per-node 2 \
     examples/join_coordinator.py --mode cpu_cadence --epochs 3
 wait "$coord_pid"

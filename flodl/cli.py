@@ -71,7 +71,11 @@ def _add_coord(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         required=True,
         help="run secret (hex); created with mode 0600 if missing, refused if group/world-readable",
     )
-    p.add_argument("--run-id", default="run")
+    p.add_argument(
+        "--run-id",
+        help="the run's id (default: a fresh random one, printed for the ranks' FLODL_RUN_ID): "
+        "frames recorded from another run with the same secret are refused by it",
+    )
     p.add_argument("--dataset-len", type=int, required=True, help="samples in the ranks' dataset")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--epochs", type=int, default=1)
@@ -201,6 +205,10 @@ def _run_coord(args: argparse.Namespace) -> int:
     from flodl.errors import CheckpointError
 
     try:
+        if args.run_id is None:
+            import secrets
+
+            args.run_id = f"run-{secrets.token_hex(6)}"
         cfg = validated(
             CoordConfig,
             world_size=args.world_size,

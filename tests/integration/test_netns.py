@@ -90,12 +90,14 @@ def test_ranks_in_two_namespaces_train_across_a_veth_link(
         coord.stdout.readline()
         line = coord.stdout.readline()
         address = line.split("FLODL_COORD=")[1].split()[0]
+        run_id = line.split("FLODL_RUN_ID=")[1].split()[0]
         assert address.startswith(ADDR_A)
         for rank, ns in enumerate((ns_a, ns_b)):
             env = {
                 **os.environ,
                 "FLODL_COORD": address,
                 "FLODL_SECRET_FILE": str(secret_file),
+                "FLODL_RUN_ID": run_id,
                 "FLODL_RANK": str(rank),
                 "FLODL_WORLD_SIZE": "2",
             }

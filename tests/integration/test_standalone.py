@@ -17,6 +17,10 @@ HERE = Path(__file__).resolve().parent
 JOIN = HERE / "join_main.py"
 
 
+RUN_IDS: dict[str, str] = {}
+"""Coordinator address → its run id (what the ranks put in FLODL_RUN_ID)."""
+
+
 def start_coord(tmp: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [
@@ -43,6 +47,8 @@ def start_coord(tmp: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
     second = proc.stdout.readline()
     assert "flodl coordinator" in first, (first, proc.stderr.read() if proc.stderr else "")
     address = second.split("FLODL_COORD=")[1].split()[0]
+    # the ranks need the coordinator's (random) run id: it is on the same line
+    RUN_IDS[address] = second.split("FLODL_RUN_ID=")[1].split()[0]
     return proc, address
 
 
@@ -64,7 +70,12 @@ def identical(tmp: Path) -> None:
 def test_torchrun_ranks_join_a_standalone_coordinator(mode: str, tmp_path: Path) -> None:
     coord, address = start_coord(tmp_path, "--mode", mode)
     try:
-        env = {**os.environ, "FLODL_COORD": address, "FLODL_SECRET_FILE": str(tmp_path / "secret")}
+        env = {
+            **os.environ,
+            "FLODL_COORD": address,
+            "FLODL_RUN_ID": RUN_IDS[address],
+            "FLODL_SECRET_FILE": str(tmp_path / "secret"),
+        }
         run = subprocess.run(
             [
                 sys.executable,
@@ -108,6 +119,7 @@ def test_ranks_started_by_hand_join_with_flodl_variables(tmp_path: Path) -> None
             env = {
                 **os.environ,
                 "FLODL_COORD": address,
+                "FLODL_RUN_ID": RUN_IDS[address],
                 "FLODL_SECRET_FILE": str(tmp_path / "secret"),
                 "FLODL_RANK": str(rank),
                 "FLODL_WORLD_SIZE": "2",
@@ -138,6 +150,7 @@ def test_a_standalone_coordinator_saves_bundles_and_resumes(tmp_path: Path) -> N
             env = {
                 **os.environ,
                 "FLODL_COORD": address,
+                "FLODL_RUN_ID": RUN_IDS[address],
                 "FLODL_SECRET_FILE": str(tmp_path / "secret"),
                 "FLODL_RANK": str(rank),
                 "FLODL_WORLD_SIZE": "2",
