@@ -167,6 +167,7 @@ class Collective:
                     " create; flodl's collective backend needs the process to itself"
                 )
             store = PrefixStore(prefix, self._client())
+            self._await_members(store, prefix, rank, world_size)
             device_id: torch.device | None = None
             if self.backend == "nccl":
                 os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
@@ -323,6 +324,27 @@ class Collective:
     def _require_formed(self) -> None:
         if not self._formed:
             raise LocalProtocolError("no collective session: call form() first")
+
+    def _await_members(self, store: Any, prefix: str, rank: int, world_size: int) -> None:
+        """A store barrier before the backend's own rendezvous: every member arrives within
+        twice the collective timeout. After a death, survivors learn of the failed collective
+        at different moments (a reset at once, a timeout up to ``timeout_s`` later), so the
+        backend's mesh, which allows only ``timeout_s``, would otherwise fail for the early ones.
+
+        Raises:
+            CollectiveFailed: not every member arrived in time, or the store is unreachable.
+        """
+        try:
+            store.set(f"flodl_member/{rank}", "1")
+            store.wait(
+                [f"flodl_member/{r}" for r in range(world_size)],
+                self._timeout * 2,
+            )
+        except RuntimeError as exc:  # DistStoreError: timeout or store gone
+            raise CollectiveFailed(
+                f"forming session {prefix!r} as rank {rank}/{world_size}: not every member "
+                f"arrived within {2 * self._timeout.total_seconds():g} s ({exc})"
+            ) from exc
 
     def _client(self) -> TCPStore:
         if self._store is None:
