@@ -71,9 +71,6 @@ DEFAULT_HIGH_WATER = 4 * 1024 * 1024
 HELLO_MAX_BYTES = 64 * 1024
 """Ceiling on a connection's first frame: until it authenticated with a hello, a peer can make
 the coordinator buffer no more than this (the full control ceiling applies afterwards)."""
-MAX_UNAUTHENTICATED = 256
-"""Connections that have not said hello yet, at most: a new one evicts the oldest waiting one
-(idle and slowloris connections rotate out; a real rank says hello within milliseconds)."""
 
 
 class EffectSink(Protocol):
@@ -127,8 +124,6 @@ class _Peer:
     role: str = "rank"
     supervisor: bool = False
     authenticated: bool = False
-    evicted: bool = False
-    accepted_at: int = 0
     closed: bool = False
     reason: str = ""
     task: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -175,7 +170,6 @@ class CoordinatorServer:
         self._hello_timeout_s = hello_timeout_s
         self.refusals = Refusals(logger)
         """Every refused or cut connection, counted by reason (logged within a budget)."""
-        self._accepts = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
         self._peers: set[_Peer] = set()
@@ -256,15 +250,6 @@ class CoordinatorServer:
             address,
         )
         peer.task = asyncio.current_task()
-        waiting = [p for p in self._peers if not p.authenticated and not p.closed]
-        if len(waiting) >= MAX_UNAUTHENTICATED:
-            oldest = min(waiting, key=lambda p: p.accepted_at)
-            oldest.reason = f"evicted: {len(waiting)} connections waited for a hello"
-            self._refuse(oldest.address, oldest.reason)
-            oldest.evicted = True
-            self._close_peer(oldest, oldest.reason, report=False)
-        peer.accepted_at = self._accepts
-        self._accepts += 1
         self._peers.add(peer)
         try:
             await self._serve(peer)
@@ -280,19 +265,17 @@ class CoordinatorServer:
         try:
             first = await asyncio.wait_for(peer.reader.read(), self._hello_timeout_s)
         except TimeoutError:
-            if not peer.evicted:  # an evicted peer was counted once, at the eviction
-                peer.reason = f"no hello within {self._hello_timeout_s:g} s"
-                self._refuse(peer.address, peer.reason)
+            peer.reason = f"no hello within {self._hello_timeout_s:g} s"
+            self._refuse(peer.address, peer.reason)
             return
         except FrameError as exc:
-            if not peer.evicted:
-                peer.reason = f"bad first frame: {exc}"
-                self._refuse(peer.address, peer.reason)
+            peer.reason = f"bad first frame: {exc}"
+            self._refuse(peer.address, peer.reason)
             return
         except (ConnectionError, OSError) as exc:
             peer.reason = f"connection error before hello: {exc}"
             return
-        if first is None or peer.evicted:
+        if first is None:
             return
         if not isinstance(first, Hello):
             peer.reason = f"first frame is {first.kind!r}, not 'hello'"
