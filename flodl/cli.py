@@ -135,30 +135,29 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.set_defaults(command=_run_launch)
 
 
-def _run_launch(args: argparse.Namespace) -> int:
-    import os
-    import signal
-    import subprocess
-
-    from flodl.launch.cluster import CLUSTER_ENV_VAR, load_cluster_yaml
-
+def _trailing_command(args: argparse.Namespace, name: str) -> list[str] | None:
+    """The command after ``--`` (``flodl launch|chaos … -- python train.py``); None, with the
+    error printed, when there is none."""
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        print("flodl launch: error: give the command to run after --", file=sys.stderr)
-        return 2
-    try:
-        cluster = load_cluster_yaml(args.cluster)
-    except ConfigError as exc:
-        print(f"flodl launch: error: {exc}", file=sys.stderr)
-        return 2
-    env = {**os.environ, CLUSTER_ENV_VAR: cluster.to_env_json(), "FLODL_PREFIX_OUTPUT": "1"}
+        print(f"flodl {name}: error: give the command to run after --", file=sys.stderr)
+        return None
+    return cmd
+
+
+def _run_forwarding(name: str, cmd: list[str], env: dict[str, str]) -> int | None:
+    """Run ``cmd`` to its end, forwarding SIGINT and SIGTERM to it (so stopping us never
+    orphans it); its exit status, or None (the error printed) when it cannot start."""
+    import signal
+    import subprocess
+
     try:
         child = subprocess.Popen(cmd, env=env)
     except OSError as exc:
-        print(f"flodl launch: error: cannot run {cmd[0]!r}: {exc}", file=sys.stderr)
-        return 2
+        print(f"flodl {name}: error: cannot run {cmd[0]!r}: {exc}", file=sys.stderr)
+        return None
 
     def forward(signum: int, _frame: object) -> None:
         if child.poll() is None:
@@ -167,6 +166,24 @@ def _run_launch(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
     return child.wait()
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    import os
+
+    from flodl.launch.cluster import CLUSTER_ENV_VAR, load_cluster_yaml
+
+    cmd = _trailing_command(args, "launch")
+    if cmd is None:
+        return 2
+    try:
+        cluster = load_cluster_yaml(args.cluster)
+    except ConfigError as exc:
+        print(f"flodl launch: error: {exc}", file=sys.stderr)
+        return 2
+    env = {**os.environ, CLUSTER_ENV_VAR: cluster.to_env_json(), "FLODL_PREFIX_OUTPUT": "1"}
+    code = _run_forwarding("launch", cmd, env)
+    return 2 if code is None else code
 
 
 def _load_or_create_secret(path: str) -> bytes:
@@ -458,16 +475,12 @@ def _add_chaos(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _run_chaos(args: argparse.Namespace) -> int:
     import os
-    import subprocess
     import tempfile
 
     from flodl.chaos import CHAOS_ENV, RECORD_DIR_ENV, ChaosPlan, recovery_table
 
-    cmd = list(args.cmd)
-    if cmd and cmd[0] == "--":
-        cmd = cmd[1:]
-    if not cmd:
-        print("flodl chaos: error: give the command to run after --", file=sys.stderr)
+    cmd = _trailing_command(args, "chaos")
+    if cmd is None:
         return 2
     try:
         spare = [int(r) for r in args.spare.split(",") if r.strip()]
@@ -489,10 +502,8 @@ def _run_chaos(args: argparse.Namespace) -> int:
         extra = f" for {f.duration_s:g} s" if f.duration_s else ""
         print(f"  {f.kind} rank {f.rank} after {f.after_s:g} s of training{extra}", flush=True)
     env = {**os.environ, CHAOS_ENV: plan.to_env(), RECORD_DIR_ENV: records}
-    try:
-        code = subprocess.call(cmd, env=env)
-    except OSError as exc:
-        print(f"flodl chaos: error: cannot run {cmd[0]!r}: {exc}", file=sys.stderr)
+    code = _run_forwarding("chaos", cmd, env)
+    if code is None:
         return 2
     try:
         rows = recovery_table(records)

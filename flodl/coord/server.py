@@ -123,7 +123,6 @@ class _Peer:
     rank: int | None = None
     role: str = "rank"
     supervisor: bool = False
-    authenticated: bool = False
     closed: bool = False
     reason: str = ""
     task: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -285,7 +284,6 @@ class CoordinatorServer:
         self._dispatch(first, peer)
         if peer.closed:
             return
-        peer.authenticated = True
         peer.reader.max_bytes = MAX_CONTROL_FRAME_BYTES  # authenticated and accepted
         while not peer.closed:
             try:
