@@ -7,7 +7,7 @@ Usage::
 For every model size (16/64/256 MiB of f32; ``--quick``: 16/64) and world size (2, 4), in one
 run:
 
-* ``cpu f32`` / ``cpu bf16``: one averaging round of :class:`flodl.coord.reduce.ReduceServer`
+* ``cpu f32`` / ``cpu bf16``: one averaging round of :class:`flodl.service.reduce.ReduceServer`
   (in this process) with ``world`` rank processes, each a :class:`flodl.rank.reduce_client.
   ReduceClient` uploading its pre-scaled parameters (4 tensors) and 2 small buffers and
   receiving the consensus, over 127.0.0.1. Round time = the slowest rank's ``reduce()`` call,
@@ -66,10 +66,10 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
     import torch
 
-import flodl.coord.reduce as reduce_server  # noqa: E402
-from flodl.coord.reduce import ReduceServer  # noqa: E402
+import flodl.service.reduce as reduce_server  # noqa: E402
 from flodl.rank import reduce_client  # noqa: E402
 from flodl.rank.reduce_client import ReduceClient  # noqa: E402
+from flodl.service.reduce import ReduceServer  # noqa: E402
 from flodl.wire.tensors import frame_tag  # noqa: E402
 
 STREAM_TAGS = (reduce_server.INLINE_TAG_BYTES, reduce_client.INLINE_TAG_BYTES)

@@ -78,7 +78,7 @@ from pydantic import (
 )
 
 from flodl.coord.elche import ElCheState
-from flodl.coord.machine import META_SCHEMA_VERSION, ResumeState
+from flodl.coord.resume import META_SCHEMA_VERSION, ResumeState
 from flodl.errors import CheckpointError, ConfigError
 from flodl.wire.frames import SaveReason
 

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import flodl
-from flodl.config import MODES
+from flodl.config import DEFAULT_BATCH_SIZE, MODES
 from flodl.errors import ConfigError
+from flodl.sampling import SHUFFLE_BASE_SEED
+from flodl.timeouts import DEFAULT_HEARTBEAT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from flodl.outer import OuterConfig
@@ -77,11 +79,19 @@ def _add_coord(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "frames recorded from another run with the same secret are refused by it",
     )
     p.add_argument("--dataset-len", type=int, required=True, help="samples in the ranks' dataset")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--mode", default="nccl_cadence", help=f"one of {', '.join(MODES)}")
-    p.add_argument("--heartbeat-timeout", type=float, default=30.0)
-    p.add_argument("--seed", type=int, default=42, help="shuffle seed (the ranks' `seed`)")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+        help="seconds of silence after which a rank is declared dead, before "
+        "FLODL_NET_TIMEOUT_SCALE; every other deadline derives from it and ranks obey it",
+    )
+    p.add_argument(
+        "--seed", type=int, default=SHUFFLE_BASE_SEED, help="shuffle seed (the ranks' `seed`)"
+    )
     p.add_argument("--save-path", help="bundle stem: the coordinator writes <stem>.meta.json")
     p.add_argument("--resume-from", help="bundle stem to resume from")
     p.add_argument("--checkpoint-every", type=int, help="save a bundle every N epochs")
@@ -217,9 +227,12 @@ def _run_coord(args: argparse.Namespace) -> int:
     from flodl import checkpoint
     from flodl.config import CoordConfig, ElCheConfig, validated
     from flodl.coord.effects import BundleRequested, WriteMeta
-    from flodl.coord.server import LoggingSink
-    from flodl.coord.service import BundleWriter, CoordinatorService, resume_from_bundle
     from flodl.errors import CheckpointError
+    from flodl.launch.env import timeout_scale
+    from flodl.service.bundles import BundleWriter, resume_from_bundle
+    from flodl.service.coordinator import CoordinatorService
+    from flodl.service.server import LoggingSink
+    from flodl.timeouts import Timeouts
 
     try:
         if args.run_id is None:
@@ -234,7 +247,7 @@ def _run_coord(args: argparse.Namespace) -> int:
             num_epochs=args.epochs,
             seed=args.seed,
             elche=ElCheConfig.preset(args.mode),
-            heartbeat_timeout_s=args.heartbeat_timeout,
+            timeouts=Timeouts.derive(args.heartbeat_timeout, timeout_scale()),
             run_id=args.run_id,
             save_bundles=args.save_path is not None,
             checkpoint_every=args.checkpoint_every,
@@ -322,7 +335,7 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--speeds", required=True, help="relative ms per batch per rank, e.g. 1,1,3")
     p.add_argument("--base-ms", type=float, default=10.0, help="ms per batch of speed 1")
     p.add_argument("--dataset-len", type=int, default=50_000, help="samples per epoch")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--reduce-ms", type=float, default=5.0, help="duration of one averaging")
     p.add_argument("--seed", type=int, default=0)

@@ -1,8 +1,8 @@
 """Configuration shared by the trainer, the coordinator and the launcher.
 
-Pure module: frozen pydantic models with the original flodl 0.7 defaults
-(flodl-spec.md §2.1, §11). Invalid values raise :class:`~flodl.errors.ConfigError` naming the
-field (see :func:`validated`).
+Pure module: frozen pydantic models with the original flodl 0.7 defaults (docs/design.md §4).
+Each default is written once, here. Invalid values raise :class:`~flodl.errors.ConfigError`
+naming the field (see :func:`validated`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from typing import Annotated, Any, Literal, Self, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flodl.errors import ConfigError
+from flodl.modes import MODE_TRAITS, MODES, Backend, Mode, ModeTraits, Policy
+from flodl.sampling import SHUFFLE_BASE_SEED
+from flodl.timeouts import Timeouts
 
 __all__ = [
     "Mode",
@@ -26,13 +29,10 @@ __all__ = [
     "EpochCallbackPolicy",
     "CoordConfig",
     "validated",
-    "DEFAULT_HEARTBEAT_TIMEOUT_S",
-    "COORD_HEARTBEAT_INTERVAL_S",
+    "DEFAULT_BATCH_SIZE",
 ]
 
-Mode = Literal["nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"]
-Policy = Literal["sync", "cadence", "async"]
-Backend = Literal["collective", "cpu"]
+DEFAULT_BATCH_SIZE = 32
 
 
 class Reduction(StrEnum):
@@ -43,21 +43,6 @@ class Reduction(StrEnum):
     """Work-weighted mean (the default)."""
     MAX = "max"
     MIN = "min"
-
-
-MODES: tuple[Mode, ...] = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
-
-DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
-COORD_HEARTBEAT_INTERVAL_S = 1.0
-"""Coordinator → rank heartbeat cadence (never scaled, as the original)."""
-
-_POLICY: dict[str, Policy] = {
-    "nccl_sync": "sync",
-    "nccl_cadence": "cadence",
-    "cpu_sync": "sync",
-    "cpu_cadence": "cadence",
-    "cpu_async": "async",
-}
 
 
 class _Config(BaseModel):
@@ -81,8 +66,9 @@ def validated(cls: type[_T], **values: Any) -> _T:
 
 
 class ElCheConfig(_Config):
-    """ElChe cadence knobs (flodl-spec.md §11). Use the presets: :meth:`nccl_cadence` (the
-    default), :meth:`nccl_sync`, :meth:`cpu_sync`, :meth:`cpu_cadence`, :meth:`cpu_async`."""
+    """ElChe cadence knobs (docs/design.md §4). Use the presets: :meth:`nccl_cadence` (the
+    default), :meth:`nccl_sync`, :meth:`cpu_sync`, :meth:`cpu_cadence`, :meth:`cpu_async`; a
+    preset's settings are its row of :data:`flodl.modes.MODE_TRAITS`."""
 
     mode: Mode = "nccl_cadence"
     anchor: Annotated[int, Field(ge=1, le=1_000_000)] = 10
@@ -109,9 +95,9 @@ class ElCheConfig(_Config):
     def _check(self) -> Self:
         if self.min_anchor is not None and self.min_anchor > self.effective_max_anchor:
             raise ValueError("min_anchor must not exceed max_anchor")
-        if self.easgd_alpha is not None and self.policy != "async":
+        if self.easgd_alpha is not None and not self.traits.elastic_blend:
             raise ValueError("easgd_alpha applies only to cpu_async (overwrite modes need 1.0)")
-        if self.max_overshoot is not None and self.policy != "async":
+        if self.max_overshoot is not None and not self.traits.overshoot:
             raise ValueError("max_overshoot applies only to cpu_async")
         if self.partition_ratios is not None and len(self.partition_ratios) == 0:
             raise ValueError("partition_ratios must not be empty")
@@ -120,42 +106,45 @@ class ElCheConfig(_Config):
     # presets ---------------------------------------------------------------------------------
     @classmethod
     def nccl_sync(cls, **overrides: Any) -> ElCheConfig:
-        return validated(cls, **{"mode": "nccl_sync", "anchor": 1, **overrides})
+        return cls.preset("nccl_sync", **overrides)
 
     @classmethod
     def nccl_cadence(cls, **overrides: Any) -> ElCheConfig:
-        return validated(cls, **{"mode": "nccl_cadence", **overrides})
+        return cls.preset("nccl_cadence", **overrides)
 
     @classmethod
     def cpu_sync(cls, **overrides: Any) -> ElCheConfig:
-        return validated(cls, **{"mode": "cpu_sync", "anchor": 1, **overrides})
+        return cls.preset("cpu_sync", **overrides)
 
     @classmethod
     def cpu_cadence(cls, **overrides: Any) -> ElCheConfig:
-        return validated(cls, **{"mode": "cpu_cadence", **overrides})
+        return cls.preset("cpu_cadence", **overrides)
 
     @classmethod
     def cpu_async(cls, **overrides: Any) -> ElCheConfig:
-        values = {"mode": "cpu_async", "easgd_alpha": 0.5, "overhead_target": 0.05}
-        return validated(cls, **{**values, **overrides})
+        return cls.preset("cpu_async", **overrides)
 
     @classmethod
     def preset(cls, mode: str, **overrides: Any) -> ElCheConfig:
         """The preset of ``mode`` by name (e.g. from a command line)."""
-        if mode not in MODES:
+        traits = MODE_TRAITS.get(mode)  # type: ignore[call-overload]
+        if traits is None:
             raise ConfigError(f"unknown mode {mode!r}: expected one of {', '.join(MODES)}")
-        factory = getattr(cls, mode)
-        result: ElCheConfig = factory(**overrides)
-        return result
+        return validated(cls, **{"mode": mode, **traits.preset, **overrides})
 
     # derived ---------------------------------------------------------------------------------
     @property
+    def traits(self) -> ModeTraits:
+        """What this mode does (:data:`flodl.modes.MODE_TRAITS`)."""
+        return MODE_TRAITS[self.mode]
+
+    @property
     def policy(self) -> Policy:
-        return _POLICY[self.mode]
+        return self.traits.policy
 
     @property
     def backend(self) -> Backend:
-        return "cpu" if self.mode.startswith("cpu_") else "collective"
+        return self.traits.backend
 
     @property
     def effective_max_anchor(self) -> int:
@@ -172,7 +161,7 @@ class ElCheConfig(_Config):
     @property
     def barrier_paced(self) -> bool:
         """Sync and Cadence never hand a rank a step across a reduce or epoch barrier."""
-        return self.policy != "async"
+        return self.traits.barrier_paced
 
 
 class EpochCallbackPolicy:
@@ -218,19 +207,14 @@ class CoordConfig(_Config):
 
     world_size: Annotated[int, Field(ge=1, le=65_536)]
     dataset_len: Annotated[int, Field(ge=1)]
-    batch_size: Annotated[int, Field(ge=1)] = 32
+    batch_size: Annotated[int, Field(ge=1)] = DEFAULT_BATCH_SIZE
     num_epochs: Annotated[int, Field(ge=1)] = 1
     augment: Annotated[int, Field(ge=1)] = 1
     epoch_splits: Annotated[int, Field(ge=1)] = 1
-    seed: int = 42
+    seed: int = SHUFFLE_BASE_SEED
     elche: ElCheConfig = Field(default_factory=ElCheConfig)
-    heartbeat_timeout_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = (
-        DEFAULT_HEARTBEAT_TIMEOUT_S
-    )
-    """Already scaled by ``FLODL_NET_TIMEOUT_SCALE`` where that applies."""
-    join_timeout_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 300.0
-    stall_floor_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 300.0
-    """Floor of the reduce-stall ceiling (scaled like every network deadline)."""
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    """Every deadline of the run, derived from the scaled heartbeat timeout."""
     max_failure: MaxFailure | None = None
     progressive_dispatch: bool | None = None
     """``None``: automatic (Cadence/Async progressive, Sync whole-epoch partitions)."""
@@ -284,12 +268,23 @@ class CoordConfig(_Config):
     def progressive(self) -> bool:
         if self.progressive_dispatch is not None:
             return self.progressive_dispatch
-        return self.elche.policy != "sync"
+        return self.elche.traits.progressive
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        """The liveness timeout (scaled)."""
+        return self.timeouts.heartbeat_s
+
+    @property
+    def join_timeout_s(self) -> float:
+        """Cohort formation deadline: ``10 × heartbeat timeout``."""
+        return self.timeouts.join_s
 
     @property
     def stall_ceiling_s(self) -> float:
-        """Hard ceiling of a pending averaging cycle: ``max(10 × heartbeat timeout, 300 s)``."""
-        return max(10.0 * self.heartbeat_timeout_s, self.stall_floor_s)
+        """Hard ceiling of a pending averaging cycle: ``max(10 × heartbeat timeout, 300 s)``
+        (the floor scaled like every network deadline)."""
+        return self.timeouts.stall_ceiling_s
 
     @property
     def effective_eval_every(self) -> int | None:

@@ -565,7 +565,7 @@ class DemoResult:
 
 
 def _is_rank() -> bool:
-    from flodl.trainer import rank_env
+    from flodl.launch.env import rank_env
 
     return rank_env() is not None
 

@@ -1,8 +1,10 @@
 """The one exception tree of flodl.
 
 Peer misbehaviour is a :class:`RemoteProtocolError` (the shell closes that peer and carries on);
-our own API misuse is a :class:`LocalProtocolError` (a bug: it propagates). Timeouts are never
-exceptions inside the coordinator: they come back as effects carrying a reason.
+our own API misuse is a :class:`LocalProtocolError` (a bug: it propagates, and is never blamed on
+a peer: the coordinator service ends the run with an internal error instead of evicting a rank).
+Timeouts are never exceptions inside the coordinator: they come back as effects carrying a
+reason. Every error type of the package is defined here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ __all__ = [
     "CollectiveFailed",
     "ConfigError",
     "CheckpointError",
+    "CoverageError",
+    "InvariantViolation",
+    "RunStopped",
 ]
 
 
@@ -72,3 +77,24 @@ class ConfigError(FlodlError, ValueError):
 class CheckpointError(FlodlError):
     """A checkpoint file is missing, corrupt, from a newer schema or from another run/model (or
     could not be written); the message names the file and the problem."""
+
+
+class CoverageError(FlodlError):
+    """The work ledger broke exactly-once coverage (a batch held twice, or lost): a bug."""
+
+
+class InvariantViolation(FlodlError):
+    """A coordinator invariant broke during a simulation (the message names it and the seed)."""
+
+
+class RunStopped(FlodlError):
+    """Not a failure: the coordinator ended the run (``shutdown``, or ``shutdown_with_save``
+    with its reason). Raised out of a rank's training loop to unwind it.
+
+    Attributes:
+        save_reason: the ShutdownWithSave reason, or ``None`` for a normal end.
+    """
+
+    def __init__(self, save_reason: str | None) -> None:
+        super().__init__(save_reason or "shutdown")
+        self.save_reason = save_reason

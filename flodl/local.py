@@ -1,7 +1,7 @@
 """The single-device run (tier 1): one process, one device, no coordinator.
 
 The same contract as a cluster run, in process: the shared permutation of every epoch
-(:func:`flodl.coord.chunks.permutation`), the framework-owned step, ``EpochMetrics`` per epoch,
+(:func:`flodl.sampling.permutation`), the framework-owned step, ``EpochMetrics`` per epoch,
 ``epoch_fn``, ``checkpoint_fn``, ``eval_fn``/``eval_result_fn`` with the same schedule and
 epoch tags as the coordinator's (a final eval tagged ``total_epochs``), bundles at
 ``checkpoint_every``/``checkpoint_at_epoch``/requested epochs and at the end, and
@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from flodl import checkpoint
-from flodl.coord.chunks import epoch_batches, epoch_slice, index_space, permutation
-from flodl.coord.machine import META_SCHEMA_VERSION
+from flodl.coord.resume import META_SCHEMA_VERSION
 from flodl.errors import CheckpointError, FlodlError
-from flodl.rank.runtime import (
+from flodl.rank.snapshot import TrainedState, model_signature
+from flodl.rank.step import (
     StepSums,
     TrainJob,
     apply_loss,
@@ -34,7 +34,7 @@ from flodl.rank.runtime import (
     scalar_scope,
     timed_callback,
 )
-from flodl.rank.snapshot import TrainedState, model_signature
+from flodl.sampling import epoch_batches, epoch_slice, index_space, permutation
 from flodl.wire.frames import EpochMetrics
 
 __all__ = ["LocalSchedule", "LocalRun"]

@@ -37,14 +37,15 @@ from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
-from flodl.errors import FlodlError
-from flodl.rank.runtime import RankLoop, RankSpec, RunStopped, TrainJob, apply_loss
+from flodl.errors import FlodlError, RunStopped
+from flodl.rank.runtime import RankLoop, RankSpec
 from flodl.rank.snapshot import TrainedState, write_death_record
+from flodl.rank.step import TrainJob, apply_loss
 from flodl.wire.frames import Intent
 
 if TYPE_CHECKING:
+    from flodl.handle import TrainerHandle
     from flodl.local import LocalRun
-    from flodl.trainer import TrainerHandle
 
 __all__ = ["Worker"]
 
@@ -261,9 +262,9 @@ class Worker:
         finally:
             loop.close()
         if self._launched:
-            from flodl.trainer import _exit_launched_rank
+            from flodl.launch.child import exit_launched_rank
 
-            _exit_launched_rank(state if self._state is not None else None, loop.spec.rank)
+            exit_launched_rank(state if self._state is not None else None, loop.spec.rank)
         return state
 
     def _require_loop(self) -> RankLoop:

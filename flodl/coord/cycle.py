@@ -22,8 +22,6 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from flodl.config import Policy
-
 __all__ = [
     "should_average",
     "CyclePhase",
@@ -35,14 +33,15 @@ __all__ = [
 
 def should_average(
     *,
-    policy: Policy,
+    one_step: bool,
     alive: Sequence[int],
     window_steps: Sequence[int],
     counts: Sequence[int],
     quiesced: Sequence[bool],
     chunked: bool = False,
 ) -> bool:
-    """The count gate. ``window_steps[r]`` are the steps since the last reduce trigger;
+    """The count gate. ``one_step``: a fixed one-step window (Sync) instead of the counts;
+    ``window_steps[r]`` are the steps since the last reduce trigger;
     ``quiesced[r]`` means the rank holds no untrained work. With ``chunked`` (progressive
     Cadence: one chunk is one window, and a final-window slot may exceed the count) a rank hit
     its window exactly when its chunk is done, i.e. when it is quiesced."""
@@ -54,7 +53,7 @@ def should_average(
         moved = moved or steps > 0
         if chunked:
             hit = False
-        elif policy == "sync":
+        elif one_step:
             hit = steps >= 1
         else:
             hit = steps >= counts[r]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from flodl.config import Backend, MaxFailure
+from flodl.config import MaxFailure
 from flodl.wire.frames import SaveReason
 
 __all__ = ["RankState", "Liveness", "unrecoverable_reason"]
@@ -164,13 +164,14 @@ def unrecoverable_reason(
     world_size: int,
     dead: int,
     alive: int,
-    backend: Backend,
+    needs_two: bool,
     max_failure: MaxFailure | None,
 ) -> tuple[SaveReason, str] | None:
     """Whether the survivors must stop (flodl-spec.md §6.5), with a human-readable reason.
 
-    Order: ``max_failure`` breach, then the backend floors (collective needs two survivors to
-    have anything to average with — a lone survivor stops; CPU stops with no rank left).
+    Order: ``max_failure`` breach, then the backend floors: with ``needs_two`` (a collective
+    backend needs two survivors to have anything to average with) a lone survivor stops; the
+    CPU backend stops with no rank left.
     """
     if max_failure is not None:
         limit = max_failure.limit_for(world_size)
@@ -181,6 +182,6 @@ def unrecoverable_reason(
             )
     if alive == 0:
         return ("all_ranks_lost", f"all {world_size} ranks lost")
-    if backend == "collective" and alive < 2 and world_size >= 2:
+    if needs_two and alive < 2 and world_size >= 2:
         return ("single_survivor", f"only {alive} rank left of {world_size} (collective needs 2)")
     return None

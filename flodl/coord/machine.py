@@ -36,26 +36,12 @@ window was folded in.
 from __future__ import annotations
 
 import enum
-import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from flodl.config import CoordConfig
-from flodl.coord.chunks import (
-    BatchRange,
-    CoverageReport,
-    EpochWork,
-    chunk_batches,
-    epoch_batches,
-    final_window_alloc,
-    from_samples,
-    partition_ranges,
-    partition_sizes,
-    split_among,
-    to_samples,
-)
 from flodl.coord.cycle import Cycle, CyclePhase, Sessions, ranks_to_throttle
 from flodl.coord.effects import (
     Alert,
@@ -73,22 +59,32 @@ from flodl.coord.effects import (
     Send,
     WriteMeta,
 )
-from flodl.coord.elche import ElChe, ElCheState, WindowReport
+from flodl.coord.elche import ElChe, WindowReport
 from flodl.coord.guards import ConvergenceGuard, DivergenceReport, make_guard
 from flodl.coord.inputs import ChildExited, Input, PeerLost, ReduceDone
+from flodl.coord.ledger import BatchRange, CoverageReport, EpochWork, from_samples, to_samples
 from flodl.coord.liveness import Liveness, RankState, unrecoverable_reason
 from flodl.coord.meta import MetaController
 from flodl.coord.metrics import (
-    REDUCTIONS,
     EpochAggregator,
     ReportScheduler,
     WindowStats,
     node_paths,
     window_records,
 )
+from flodl.coord.partition import (
+    carve_ranges,
+    chunk_batches,
+    final_window_alloc,
+    partition_sizes,
+    split_among,
+)
+from flodl.coord.resume import META_SCHEMA_VERSION, ResumeState
 from flodl.coord.roles import CheckpointRetry, Roles
-from flodl.coord.verdicts import ConvergenceAction, NudgeDown, Stable, SuppressGrowth
+from flodl.coord.verdicts import ConvergenceAction, NudgeDown, Stable
 from flodl.errors import LocalProtocolError
+from flodl.sampling import epoch_batches
+from flodl.timeouts import HEARTBEAT_INTERVAL_S
 from flodl.wire.frames import (
     PROTOCOL_VERSION,
     Accept,
@@ -134,8 +130,7 @@ from flodl.wire.frames import (
 
 __all__ = ["RunPhase", "ResumeState", "Coordinator", "META_SCHEMA_VERSION"]
 
-META_SCHEMA_VERSION = 3
-COORD_HEARTBEAT_S = 1.0
+COORD_HEARTBEAT_S = HEARTBEAT_INTERVAL_S
 OVERSHOOT_INITIAL = 3
 
 
@@ -145,19 +140,6 @@ class RunPhase(enum.Enum):
     FINAL_EVAL = "final_eval"
     SHUTDOWN = "shutdown"
     DONE = "done"
-
-
-@dataclass(frozen=True, slots=True)
-class ResumeState:
-    """What a checkpoint meta seeds into a new coordinator (see :mod:`flodl.checkpoint`)."""
-
-    epoch: int
-    global_step: int = 0
-    sync_round: int = 0
-    elche: ElCheState | None = None
-    uncovered: tuple[tuple[int, int], ...] | None = None
-    """Uncovered ranges of the interrupted ``epoch`` as the meta stores them: ``(offset, size)``
-    in samples, multiples of the batch size; ``None``: the whole epoch is still to train."""
 
 
 @dataclass(slots=True)
@@ -195,8 +177,7 @@ class Coordinator:
         w = config.world_size
         self.world_size = w
         el = config.elche
-        self.policy = el.policy
-        self.backend = el.backend
+        self.traits = t = el.traits
         self.progressive = config.progressive
         self.phase = RunPhase.FORMING
         self.liveness = Liveness(w, config.heartbeat_timeout_s)
@@ -207,7 +188,7 @@ class Coordinator:
             min_anchor=el.min_anchor,
             overhead_target=el.effective_overhead_target,
             max_batch_diff=el.max_batch_diff,
-            window_growth_applicable=el.policy != "sync",
+            window_growth_applicable=t.adaptive_window,
         )
         if el.partition_ratios is not None:
             self.elche.with_partition_ratios(el.partition_ratios)
@@ -222,7 +203,7 @@ class Coordinator:
             easgd_alpha=el.easgd_alpha,
         )
         self.meta_controller = MetaController() if el.meta_controller else None
-        self.cycle = Cycle(needs_reduce_done=self.backend == "cpu")
+        self.cycle = Cycle(needs_reduce_done=t.cpu_averaging)
         self.sessions = Sessions(session=0, members=tuple(range(w)))
         self.roles = Roles(config.epoch_callback_policy)
         self.aggregator = EpochAggregator(w, dict(config.scalar_reductions))
@@ -564,7 +545,7 @@ class Coordinator:
         run = self.ranks[rank]
         run.step = max(run.step, batch.step)
         run.window.add(batch.batch_ms, batch.data_ms, batch.loss, self._bs)
-        if self.config.elche.max_batch_diff is not None and self.backend == "cpu":
+        if self.config.elche.max_batch_diff is not None and self.traits.cpu_averaging:
             self._throttle_leaders(out)
         if self.progressive and work.in_flight(rank) == 0:
             self._dispatch(rank, now, out)
@@ -626,7 +607,7 @@ class Coordinator:
         self._refresh_all()
         self._started = True
         self._pending_divergence: dict[int, tuple[float | None, float | None, float | None]] = {}
-        if self.backend == "cpu":
+        if self.traits.cpu_averaging:
             out.append(OpenReduce(0, tuple(self.liveness.alive())))
         if self.global_step > 0:  # resumed: schedulers continue where the run stopped
             step: CoordFrame = SetGlobalStep(global_step=self.global_step)
@@ -660,9 +641,9 @@ class Coordinator:
                 alive=alive,
                 ms_per_batch=self.elche.smoothed_ms if calibrated else None,
                 ratios=self.config.elche.partition_ratios,
-                proportional=self.policy != "sync" and calibrated,
+                proportional=self.traits.speed_proportional and calibrated,
             )
-            pieces = _carve(work.unassigned_ranges(), sizes)
+            pieces = carve_ranges(work.unassigned_ranges(), sizes)
             for rank, ranges in enumerate(pieces):
                 for rng in ranges:
                     work.assign(rank, rng)
@@ -714,7 +695,7 @@ class Coordinator:
         steps = self.ranks[rank].window.steps + self.in_flight(rank)
         counts, _, sum_counts = self._cohort()
         count = counts[rank]
-        overshoot = self.max_overshoot if self.policy == "async" else 0
+        overshoot = self.max_overshoot if self.traits.overshoot else 0
         if steps >= count + overshoot:
             return None
         work = self._first_unassigned()
@@ -726,7 +707,7 @@ class Coordinator:
                 return None
         final_slot = self._final_slot(work, rank) if barrier else None
         size = chunk_batches(
-            policy=self.policy,
+            barrier_paced=barrier,
             count=count,
             steps_in_window=steps,
             remaining=work.remaining(),
@@ -942,7 +923,7 @@ class Coordinator:
                     schedule_id=epoch,
                     epoch=epoch,
                     target_rank=target,
-                    adopt_consensus=self.policy == "async",
+                    adopt_consensus=self.traits.elastic_blend,
                 ),
             )
         )
@@ -1007,12 +988,12 @@ class Coordinator:
         steps = self.ranks[rank].window.steps
         if live:
             quiesced = self.in_flight(rank) == 0
-            if self.policy == "cadence" and self.progressive:
+            if self.traits.chunk_is_window and self.progressive:
                 # One chunk = one window (possibly a final-window slot above the count):
                 # the window is done when the chunk is, never in the middle of it.
                 sat = quiesced
             else:
-                need = 1 if self.policy == "sync" else self._cohort()[0][rank]
+                need = 1 if self.traits.one_step_gate else self._cohort()[0][rank]
                 sat = steps >= need or quiesced
             moved = steps > 0
         else:
@@ -1052,11 +1033,11 @@ class Coordinator:
         number = self.cycle.begin(alive, now)
         self.throttled.clear()
         self._pending_divergence = {}
-        if self.backend == "cpu":
+        if self.traits.cpu_averaging:
             out.append(OpenReduce(number, tuple(alive)))
             for r in alive:
                 out.append(Send(r, RequestParams(cycle=number)))
-                if self.policy == "sync":
+                if self.traits.throttle_at_trigger:
                     out.append(Send(r, Throttle()))
         else:
             for r in alive:
@@ -1077,8 +1058,8 @@ class Coordinator:
     def _release(self, number: int, now: float, out: list[Effect]) -> None:
         """Tell live ranks the cycle is over: ``update`` (CPU; in Cadence with the next
         intra-epoch chunk folded in, saving a round trip) and the new global step."""
-        cpu = self.backend == "cpu"
-        fold = cpu and self.policy == "cadence" and self.progressive
+        cpu = self.traits.cpu_averaging
+        fold = self.traits.folds_next_chunk and self.progressive
         # Frames are immutable: one instance serves every rank that gets the same content.
         step: CoordFrame = SetGlobalStep(global_step=self.global_step)
         bare: CoordFrame = Update(version=number, next_plan=None)
@@ -1105,7 +1086,7 @@ class Coordinator:
 
     def _contributors(self) -> set[int]:
         acked = set(self.cycle.acked)
-        if self.backend == "cpu" and self.cycle.contributors is not None:
+        if self.traits.cpu_averaging and self.cycle.contributors is not None:
             return acked | set(self.cycle.contributors)
         sessions = {self.ranks[r].ack_session for r in acked}
         if sessions == {self.sessions.session}:
@@ -1135,7 +1116,7 @@ class Coordinator:
         was_calibrated = self.elche.calibrated
         self.elche.report_window(
             _window_report(windows, self.liveness.alive_mask(), self.prev_sync_ms),
-            delivered_capable=self.policy != "sync",
+            delivered_capable=self.traits.adaptive_window,
         )
         if self.elche.calibrated and not was_calibrated:
             why = self.roles.on_first_calibration(self.liveness.alive(), self.elche.smoothed_ms)
@@ -1146,9 +1127,9 @@ class Coordinator:
         old_anchor = self.elche.anchor
         if isinstance(action, Stable):
             self.elche.apply_verdict(
-                Stable(relax_up=self.policy == "async" and self.config.elche.relax_up)
+                Stable(relax_up=self.traits.overshoot and self.config.elche.relax_up)
             )
-            if self.config.elche.max_overshoot is None and self.policy == "async":
+            if self.config.elche.max_overshoot is None and self.traits.overshoot:
                 cap = min(10, max(3, self._epoch_batches(0) // 50))
                 self.max_overshoot = min(cap, self.max_overshoot + 1)
         else:
@@ -1187,7 +1168,7 @@ class Coordinator:
         self._maybe_report(windows, sync_ms, now, out)
 
     def _guard_action(self, steps: Sequence[int]) -> ConvergenceAction:
-        if self.policy == "sync":
+        if not self.traits.adaptive_window:
             return Stable()
         deltas = []
         pre_norms: list[float] = []
@@ -1299,7 +1280,7 @@ class Coordinator:
             world_size=self.world_size,
             dead=len(self.liveness.dead()),
             alive=len(alive),
-            backend=self.backend,
+            needs_two=not self.traits.cpu_averaging,
             max_failure=self.config.max_failure,
         )
         if rank not in self.deferred_forfeit:
@@ -1314,7 +1295,7 @@ class Coordinator:
             out.append(Record("root", "roles", {"roles": why}))
         self._failover_checkpoints(rank, alive, out)
         self._failover_bundles(rank, out)
-        if self.backend == "collective":
+        if not self.traits.cpu_averaging:
             session, members = self.sessions.reform(alive)
             for r in alive:
                 out.append(Send(r, DeclareDead(rank=rank, reason=reason)))
@@ -1471,12 +1452,6 @@ class Coordinator:
 # =============================================================================================
 
 
-def _carve(pool: Sequence[BatchRange], sizes: Sequence[int]) -> list[list[BatchRange]]:
-    from flodl.coord.chunks import carve_ranges
-
-    return carve_ranges(pool, sizes)
-
-
 def _window_report(
     windows: Sequence[WindowStats], alive: Sequence[bool], sync_ms: float
 ) -> WindowReport:
@@ -1506,6 +1481,3 @@ def _window_report(
         delivered_coherent=coherent,
         sync_ms=sync_ms,
     )
-
-
-_ = (REDUCTIONS, from_samples, partition_ranges, math, SuppressGrowth)

@@ -32,7 +32,7 @@ up in shell histories and logs): ``FLODL_SECRET`` is taken out of the exported e
 ``FLODL_SECRET_STDIN=1`` is exported instead; the launcher writes the secret as one hex line to
 the ssh client's stdin, which ssh forwards to the remote command's stdin, then closes it.
 
-Rank side: :func:`read_secret_from_stdin` reads that line back (call it when
+Rank side: :func:`flodl.launch.env.read_secret_from_stdin` reads that line back (call it when
 ``FLODL_SECRET_STDIN`` is ``1``, before anything else reads stdin).
 
 No tty is requested (``-T``; a tty would also echo the secret back). So a dead ssh client does
@@ -51,32 +51,24 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from flodl.errors import ConfigError
 from flodl.launch.cluster import DEFAULT_SSH_PORT, Worker
+from flodl.launch.env import ENV_SECRET, ENV_SECRET_STDIN, MIN_SECRET_BYTES
 
 __all__ = [
     "ssh_command",
     "spawn_ssh",
-    "read_secret_from_stdin",
-    "ENV_SECRET_STDIN",
     "EXIT_BAD_WORKER_PATH",
-    "MIN_SECRET_BYTES",
     "SSH_DEFAULT_OPTIONS",
 ]
 
 logger = logging.getLogger(__name__)
 
-ENV_SECRET = "FLODL_SECRET"
-ENV_SECRET_STDIN = "FLODL_SECRET_STDIN"
-"""Exported as ``1`` to a remote child whose secret arrives on stdin."""
 EXIT_BAD_WORKER_PATH = 78
 """Remote exit status when the worker's ``path`` cannot be entered (sysexits ``EX_CONFIG``)."""
-MIN_SECRET_BYTES = 16
-_MAX_SECRET_HEX = 1024
 SSH_DEFAULT_OPTIONS: tuple[tuple[str, str], ...] = (
     ("BatchMode", "yes"),  # never prompt for a password or a host key: fail instead
     ("ConnectTimeout", "10"),
@@ -86,7 +78,6 @@ SSH_DEFAULT_OPTIONS: tuple[tuple[str, str], ...] = (
 """``-o`` options every ssh call gets, unless the worker's ``ssh.options`` sets them."""
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_HEX = re.compile(r"(?:[0-9a-fA-F]{2})*")
 _OPTION_KEY = re.compile(r"\s*([A-Za-z]+)")
 
 _Redirect = int | IO[Any] | None
@@ -182,43 +173,6 @@ def spawn_ssh(
         with contextlib.suppress(BrokenPipeError):
             pipe.close()
     return proc
-
-
-def read_secret_from_stdin() -> bytes:
-    """Read the run secret that :func:`spawn_ssh` sent: one hex line on ``sys.stdin``.
-
-    Raises:
-        ConfigError: stdin is closed or empty, or the line is not hex, or it decodes to fewer
-            than 16 bytes.
-    """
-    stream = sys.stdin
-    if stream is None:
-        raise ConfigError(
-            f"{ENV_SECRET_STDIN}=1 but this process has no stdin to read the run secret from"
-        )
-    line = stream.readline(_MAX_SECRET_HEX + 2)
-    if not line:
-        raise ConfigError(
-            f"{ENV_SECRET_STDIN}=1 but stdin ended before the run secret arrived (the launcher "
-            "writes it as one hex line)"
-        )
-    if len(line) > _MAX_SECRET_HEX and not line.endswith("\n"):
-        raise ConfigError(
-            f"the run secret on stdin is longer than {_MAX_SECRET_HEX} hex digits: not a secret"
-        )
-    text = line.strip()
-    if not _HEX.fullmatch(text):
-        raise ConfigError(
-            f"the run secret on stdin must be one line of hex digits (an even number of them), "
-            f"got {len(text)} characters that are not"
-        )
-    secret = bytes.fromhex(text)
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError(
-            f"the run secret on stdin is {len(secret)} bytes; at least {MIN_SECRET_BYTES} are "
-            "required"
-        )
-    return secret
 
 
 # internals ------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Collective averaging over ``torch.distributed``: the only importer of it (DESIGN.md §1, §3).
 
-A rank opens one client to the coordinator's ``TCPStore`` (:class:`flodl.coord.store.StoreHost`)
+A rank opens one client to the coordinator's ``TCPStore`` (:class:`flodl.service.store.StoreHost`)
 and forms its process group on a ``PrefixStore``: session 0 is the full world under
 ``f"{run_id}/s0"``; after a death the coordinator sends each survivor ``NewSession`` with a fresh
 ``store_prefix`` and the survivor's ``new_rank`` among the ascending surviving global ranks, and

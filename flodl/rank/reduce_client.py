@@ -2,7 +2,7 @@
 
 One :class:`ReduceClient` per rank process, used from the rank's main thread (the one that owns
 the model): :meth:`ReduceClient.reduce` blocks until the coordinator's reduce server
-(:mod:`flodl.coord.reduce`) answers the round. Blocking sockets, never asyncio: the data
+(:mod:`flodl.service.reduce`) answers the round. Blocking sockets, never asyncio: the data
 channel moves whole models, and blocking ``sendmsg``/``recv_into`` on loopback are several
 times faster than asyncio streams.
 

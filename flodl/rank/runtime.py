@@ -26,12 +26,11 @@ the coordinator (DESIGN.md §2, STYLE.md §2.2):
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import math
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,14 +38,21 @@ import torch
 
 from flodl import checkpoint
 from flodl.chaos import RankChaos
-from flodl.config import ElCheConfig
-from flodl.coord.chunks import epoch_slice, index_space, permutation, pick_to_sample
-from flodl.data import BatchDataset
-from flodl.errors import CheckpointError, CollectiveFailed, CoordinatorLost, FlodlError
-from flodl.outer import OuterConfig, OuterStep
+from flodl.errors import CollectiveFailed, CoordinatorLost, FlodlError, RunStopped
+from flodl.outer import OuterStep
 from flodl.rank.bridge import RankBridge
 from flodl.rank.collectives import divergence
 from flodl.rank.snapshot import TrainedState, float_buffers, model_signature, write_death_record
+from flodl.rank.step import (
+    StepSums,
+    TrainJob,
+    fetch_batch,
+    optimizer_step,
+    restore_bundle,
+    timed_callback,
+)
+from flodl.sampling import epoch_slice, index_space, permutation
+from flodl.timeouts import Timeouts
 from flodl.wire.frames import (
     Accept,
     Batch,
@@ -82,48 +88,9 @@ from flodl.wire.frames import (
     Update,
 )
 
-__all__ = ["RankSpec", "TrainJob", "run_rank", "record_scalar"]
+__all__ = ["RankSpec", "RankLoop", "run_rank"]
 
 logger = logging.getLogger(__name__)
-
-ModelFactory = Callable[[torch.device], torch.nn.Module]
-OptimFactory = Callable[[Iterator[torch.nn.Parameter]], torch.optim.Optimizer]
-TrainStep = Callable[[torch.nn.Module, list[torch.Tensor]], torch.Tensor]
-Scheduler = Callable[[int], float]
-"""``lr(global_step)`` for one rank."""
-EpochFn = Callable[[int, torch.nn.Module], None]
-"""``epoch_fn(epoch, model)`` on the epoch-callback role rank after each epoch."""
-CheckpointFn = Callable[[int, torch.nn.Module], None]
-"""``checkpoint_fn(epoch, model)`` on the checkpoint role rank, with the consensus parameters."""
-EvalFn = Callable[[torch.nn.Module, Any], float]
-"""``eval_fn(model, eval_dataset) -> metric`` on the eval role rank, with the consensus."""
-
-_SCALARS: contextvars.ContextVar[dict[str, list[float]] | None] = contextvars.ContextVar(
-    "flodl_scalars", default=None
-)
-
-
-def record_scalar(name: str, value: float) -> None:
-    """Inside ``train_step``: add ``value`` to this step's scalar ``name`` (rolled up per chunk
-    as sum and count, then per epoch on the host). Outside a training step it does nothing."""
-    acc = _SCALARS.get()
-    if acc is None:
-        return
-    v = float(value)
-    if math.isfinite(v):
-        slot = acc.setdefault(name, [0.0, 0.0])
-        slot[0] += v
-        slot[1] += 1
-
-
-@contextlib.contextmanager
-def scalar_scope(scalars: dict[str, list[float]]) -> Iterator[None]:
-    """``record_scalar`` calls inside this block add to ``scalars`` (name → [sum, count])."""
-    token = _SCALARS.set(scalars)
-    try:
-        yield
-    finally:
-        _SCALARS.reset(token)
 
 
 @dataclass(frozen=True)
@@ -136,9 +103,9 @@ class RankSpec:
         run_id: the run id the coordinator expects.
         rank / world_size: this rank's global rank and the world size.
         device: ``"cpu"`` or ``"cuda:N"``.
-        liveness_timeout_s: coordinator silence after which the rank stops (scaled).
-        collective_timeout_s: torch.distributed timeout, kept below the liveness timeout so a
-            rank never hangs in a collective.
+        timeouts: this rank's deadlines until the coordinator's ``accept`` arrives (connecting,
+            the handshake); from then on the rank obeys the coordinator's, derived from the
+            ``heartbeat_timeout_s`` and ``timeout_scale`` it sends.
         stem: file stem for death records (``<stem>.rank<N>.death.json``).
         threads: ``torch.set_num_threads`` (CPU ranks sharing a host split its cores).
     """
@@ -150,55 +117,9 @@ class RankSpec:
     rank: int
     world_size: int
     device: str = "cpu"
-    liveness_timeout_s: float = 30.0
-    collective_timeout_s: float = 20.0
+    timeouts: Timeouts = field(default_factory=Timeouts)
     stem: str | None = None
     threads: int | None = None
-    connect_timeout_s: float = 30.0
-    hard_exit_grace_s: float = 10.0
-    """After losing its coordinator, how long the main thread has to exit cleanly before the
-    bridge ends the process (a main thread stuck in a forward pass or collective)."""
-
-
-@dataclass(frozen=True)
-class TrainJob:
-    """What to train and how."""
-
-    model_factory: ModelFactory
-    optim_factory: OptimFactory
-    train_step: TrainStep
-    dataset: BatchDataset
-    batch_size: int
-    elche: ElCheConfig = field(default_factory=ElCheConfig)
-    max_grad_norm: float | None = None
-    seed: int = 42
-    augment: int = 1
-    epoch_splits: int = 1
-    scheduler_fn: Callable[[int], Scheduler] | None = None
-    lr_scale_ratio: float = 1.0
-    step_hook: Callable[[int, int], None] | None = None
-    """Test hook ``(rank, step)`` called inside the timed compute of every step (e.g. to make
-    a rank artificially slower); not for production use."""
-    epoch_fn: EpochFn | None = None
-    checkpoint_fn: CheckpointFn | None = None
-    eval_fn: EvalFn | None = None
-    eval_dataset: Any = None
-    save_path: str | None = None
-    """Bundle stem: ``<stem>.fdl``, ``<stem>.rank<N>.optim``, ``<stem>.outer.fdl``."""
-    resume_from: str | None = None
-    """Bundle stem to restore the model, optimizer and outer state from before training."""
-    outer: OuterConfig = field(default_factory=OuterConfig)
-
-    @property
-    def keeps_consensus(self) -> bool:
-        """Whether the rank keeps a copy of the last consensus (saves, evals and checkpoint
-        callbacks see it instead of the rank's local drift; EASGD's result is it)."""
-        return (
-            self.save_path is not None
-            or self.eval_fn is not None
-            or self.checkpoint_fn is not None
-            or self.elche.policy == "async"
-        )
 
 
 @dataclass
@@ -207,132 +128,6 @@ class _Slice:
     picks: list[int]
     tail: bool
     pos: int = 0
-
-
-@dataclass
-class StepSums:
-    """Sums over a run of steps (a slice on a rank, an epoch on one device)."""
-
-    batches: int = 0
-    loss_sum: float = 0.0
-    compute_ms: float = 0.0
-    data_ms: float = 0.0
-    scalars: dict[str, list[float]] = field(default_factory=dict)
-
-
-class RunStopped(Exception):
-    def __init__(self, save_reason: str | None) -> None:
-        super().__init__(save_reason or "shutdown")
-        self.save_reason = save_reason
-
-
-def fetch_batch(job: TrainJob, picks: Sequence[int], device: torch.device) -> list[torch.Tensor]:
-    """The batch of these permutation picks, on ``device`` (augmented picks map to samples)."""
-    samples = [pick_to_sample(p, job.augment)[0] for p in picks]
-    return [t.to(device, non_blocking=True) for t in job.dataset.get_batch(samples)]
-
-
-def optimizer_step(
-    job: TrainJob,
-    model: torch.nn.Module,
-    optim: torch.optim.Optimizer,
-    batch: list[torch.Tensor],
-    scalars: dict[str, list[float]],
-    step: int,
-) -> float:
-    """One framework-owned step on every tier: ``train_step`` (forward + loss, with
-    ``record_scalar`` collecting into ``scalars``), backward, ``max_grad_norm`` clipping, the
-    optimizer step. Returns the loss.
-
-    Raises:
-        FlodlError: ``train_step`` returned no scalar tensor, or the loss (of ``step``) is not
-            finite.
-    """
-    model.train()
-    optim.zero_grad(set_to_none=True)
-    with scalar_scope(scalars):
-        loss = job.train_step(model, batch)
-    return apply_loss(job, model, optim, loss, step)
-
-
-def apply_loss(
-    job: TrainJob, model: torch.nn.Module, optim: torch.optim.Optimizer, loss: Any, step: int
-) -> float:
-    """Backward, ``max_grad_norm`` clipping and the optimizer step for a computed ``loss``
-    (gradients must have been zeroed before the forward). Returns the loss value.
-
-    Raises:
-        FlodlError: ``loss`` is not a scalar tensor, or it (of ``step``) is not finite.
-    """
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise FlodlError("train_step must return a scalar loss tensor")
-    loss.backward()  # type: ignore[no-untyped-call]
-    if job.max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_grad_norm)
-    optim.step()
-    value = float(loss.detach())
-    if not math.isfinite(value):
-        raise FlodlError(f"non-finite loss {value} at step {step}")
-    return value
-
-
-def timed_callback(name: str, fn: Callable[[], Any]) -> tuple[Any, float, str | None]:
-    """Run a user callback: ``(result, elapsed_ms, error)``; an exception becomes ``error``
-    (logged with its traceback) and never reaches the training loop."""
-    t0 = time.perf_counter()
-    try:
-        result = fn()
-    except Exception as exc:
-        logger.exception("%s raised (training continues)", name)
-        return None, (time.perf_counter() - t0) * 1000.0, f"{type(exc).__name__}: {exc}"[:4000]
-    return result, (time.perf_counter() - t0) * 1000.0, None
-
-
-def restore_bundle(
-    job: TrainJob,
-    model: torch.nn.Module,
-    optim: torch.optim.Optimizer,
-    rank: int,
-    outer: OuterStep | None = None,
-) -> checkpoint.ModelBundle | None:
-    """``resume_from``: load the consensus model, this rank's optimizer state and (collective
-    placement) the outer optimizer state. A missing or stale optimizer/outer file is warned
-    about and that state starts fresh; a missing or foreign model file raises.
-
-    Raises:
-        CheckpointError: the model file is missing, corrupt or from another model.
-    """
-    stem = job.resume_from
-    if stem is None:
-        return None
-    bundle = checkpoint.load_model(stem)
-    bundle.load_into(model, model_signature(model))
-    try:
-        saved = checkpoint.load_optim(stem, rank)
-    except CheckpointError as exc:
-        logger.warning("rank %d: optimizer state not restored (%s); starting it fresh", rank, exc)
-        saved = None
-    if saved is None:
-        logger.warning("rank %d: no optimizer state in the bundle; starting it fresh", rank)
-    elif saved.global_step != bundle.global_step:
-        logger.warning(
-            "rank %d: optimizer state is from global step %d, the model from %d; starting it fresh",
-            rank,
-            saved.global_step,
-            bundle.global_step,
-        )
-    else:
-        optim.load_state_dict(saved.state)
-    if outer is not None and not outer.config.is_identity:
-        try:
-            state = checkpoint.load_outer(stem)
-            if state is not None and state.global_step == bundle.global_step:
-                outer.restore(state.state, list(model.parameters()))
-            else:
-                logger.warning("rank %d: no matching outer optimizer state; zero momentum", rank)
-        except (CheckpointError, ValueError) as exc:
-            logger.warning("rank %d: outer state not restored (%s); zero momentum", rank, exc)
-    return bundle
 
 
 class RankLoop:
@@ -399,7 +194,7 @@ class RankLoop:
         self.optim = job.optim_factory(self.model.parameters())
         self.params = list(self.model.parameters())
         self.fbuffers = float_buffers(self.model)
-        if self.el.backend != "cpu" and not job.outer.is_identity:
+        if not self.el.traits.cpu_averaging and not job.outer.is_identity:
             self.outer = OuterStep(job.outer)  # collective placement: replicated per rank
         restore_bundle(job, self.model, self.optim, spec.rank, self.outer)
         self.scheduler = job.scheduler_fn(spec.world_size) if job.scheduler_fn else None
@@ -416,10 +211,10 @@ class RankLoop:
             spec.coord_port,
             spec.secret,
             hello,
-            liveness_timeout_s=spec.liveness_timeout_s,
-            hard_exit_grace_s=spec.hard_exit_grace_s,
+            liveness_timeout_s=spec.timeouts.heartbeat_s,
+            hard_exit_grace_s=spec.timeouts.hard_exit_grace_s,
             on_hard_exit=self._hard_exit_record,
-            connect_timeout_s=spec.connect_timeout_s,
+            connect_timeout_s=spec.timeouts.connect_s,
         )
         accept = self.bridge.start()
         self.chaos = RankChaos.from_environ(spec.rank)
@@ -471,7 +266,7 @@ class RankLoop:
 
     def _connect_backend(self, accept: Accept) -> None:
         spec = self.spec
-        if self.el.backend == "cpu":
+        if self.el.traits.cpu_averaging:
             from flodl.rank.reduce_client import ReduceClient
 
             if accept.data_port is None:
@@ -486,9 +281,9 @@ class RankLoop:
                 spec.rank,
                 spec.world_size,
                 bf16_wire=self.el.bf16_wire,
-                timeout_s=max(spec.liveness_timeout_s, 1.0) * 4,
+                timeout_s=spec.timeouts.data_io_s,
             )
-            self.client.connect(spec.connect_timeout_s)
+            self.client.connect(spec.timeouts.connect_s)
         else:
             from flodl.rank.collectives import Collective
 
@@ -501,7 +296,7 @@ class RankLoop:
                 spec.coord_host,
                 accept.store_port,
                 device=self.device,
-                timeout_s=spec.collective_timeout_s,
+                timeout_s=spec.timeouts.collective_s,
             )
             self.session = accept.session
             self.collective.form(f"{spec.run_id}/s{accept.session}", spec.rank, spec.world_size)
@@ -862,7 +657,7 @@ class RankLoop:
             )
         )
         self.window_steps = 0
-        if self.client is not None and self.el.policy != "async":
+        if self.client is not None and self.el.traits.waits_for_update:
             self.waiting_update = True
 
     def _collective_reduce(self, weight: float, mover: bool, pre: list[torch.Tensor]) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from flodl.sim.cluster import Failure, InvariantViolation, SimCluster, SimTrace
+from flodl.errors import InvariantViolation
+from flodl.sim.cluster import Failure, SimCluster, SimTrace
 
 __all__ = ["Failure", "InvariantViolation", "SimCluster", "SimTrace"]

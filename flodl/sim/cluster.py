@@ -45,7 +45,8 @@ from flodl.coord.effects import (
 )
 from flodl.coord.inputs import ChildExited, ReduceDone
 from flodl.coord.machine import Coordinator, RunPhase
-from flodl.errors import FlodlError
+from flodl.errors import InvariantViolation
+from flodl.timeouts import Timeouts
 from flodl.wire.frames import (
     Batch,
     BundleSaved,
@@ -76,10 +77,6 @@ from flodl.wire.frames import (
 __all__ = ["Failure", "SimCluster", "SimTrace", "InvariantViolation"]
 
 _SIGNATURE = "0" * 64
-
-
-class InvariantViolation(FlodlError):
-    """A coordinator invariant broke during a simulation (the message names it and the seed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +219,7 @@ class SimCluster:
             batch_size=batch_size,
             num_epochs=epochs,
             elche=ElCheConfig.preset(mode, **(elche or {})),
-            heartbeat_timeout_s=heartbeat_timeout_s,
+            timeouts=Timeouts(heartbeat_timeout_s),
             max_failure=max_failure,
             has_epoch_fn=epoch_fn_ms > 0,
         )
@@ -403,7 +400,7 @@ class SimCluster:
             case NewSession(session=session, ranks=members):
                 r.session = session
                 r.members = tuple(members)
-                if r.in_reduce is not None and self.config.elche.backend == "collective":
+                if r.in_reduce is not None and not self.config.elche.traits.cpu_averaging:
                     self._enter_collective(r, r.in_reduce)
             case Shutdown() | ShutdownWithSave():
                 if isinstance(frame, ShutdownWithSave):
@@ -506,7 +503,7 @@ class SimCluster:
         self._to_coord(
             SnapshotReady(rank=r.rank, cycle=cycle, step=r.step), self.now + self._delay()
         )
-        if self.config.elche.backend == "cpu":
+        if self.config.elche.traits.cpu_averaging:
             self._uploads.setdefault(cycle, set()).add(r.rank)
             self._maybe_reduce_done(cycle)
         else:
@@ -537,14 +534,14 @@ class SimCluster:
             r = self.ranks[rank]
             if not r.alive or r.hung or r.exited or r.in_reduce != cycle:
                 continue
-            if self.config.elche.backend == "collective" and r.session != session:
+            if not self.config.elche.traits.cpu_averaging and r.session != session:
                 continue
             r.in_reduce = None
             self._to_coord(
                 SyncAck(rank=rank, cycle=cycle, step=r.step, session=r.session),
                 self.now + self._delay(),
             )
-            if self.config.elche.backend == "cpu" and self.config.elche.policy != "async":
+            if self.config.elche.traits.waits_for_update:
                 r.waiting_update = True
             self._continue(r)
 
@@ -579,12 +576,12 @@ class SimCluster:
         if c.phase is RunPhase.TRAINING and not c.cycle.pending:
             alive = c.liveness.alive()
             expected = should_average(
-                policy=self.config.elche.policy,
+                one_step=self.config.elche.traits.one_step_gate,
                 alive=alive,
                 window_steps=[r.window.steps for r in c.ranks],
                 counts=[max(1, n) for n in c.elche.batch_counts],
                 quiesced=[c.in_flight(r) == 0 for r in range(len(self.ranks))],
-                chunked=c.policy == "cadence" and c.progressive,
+                chunked=c.traits.chunk_is_window and c.progressive,
             )
             if expected != c.gate_open():
                 self._violate(f"incremental count gate {c.gate_open()} != should_average")

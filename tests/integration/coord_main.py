@@ -8,7 +8,8 @@ import os
 import sys
 
 from flodl.config import CoordConfig, ElCheConfig, validated
-from flodl.coord.service import CoordinatorService
+from flodl.service.coordinator import CoordinatorService
+from flodl.timeouts import Timeouts
 
 
 async def main() -> int:
@@ -20,7 +21,7 @@ async def main() -> int:
         batch_size=int(job["batch_size"]),
         num_epochs=int(job["epochs"]),
         elche=ElCheConfig.preset(job["mode"]),
-        heartbeat_timeout_s=10.0,
+        timeouts=Timeouts(10.0),
     )
     service = CoordinatorService(cfg, bytes.fromhex(os.environ["FLODL_SECRET"]))
     port = await service.start()

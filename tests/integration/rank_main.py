@@ -22,7 +22,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from flodl.config import ElCheConfig  # noqa: E402
 from flodl.data import TensorBatchDataset  # noqa: E402
-from flodl.rank.runtime import RankSpec, TrainJob, run_rank  # noqa: E402
+from flodl.rank.runtime import RankSpec, run_rank  # noqa: E402
+from flodl.rank.step import TrainJob  # noqa: E402
+from flodl.timeouts import Timeouts  # noqa: E402
 
 FEATURES, CLASSES = 16, 4
 
@@ -67,8 +69,7 @@ def main() -> int:
         run_id=job.get("run_id", "run"),
         rank=int(job["rank"]),
         world_size=int(job["world_size"]),
-        liveness_timeout_s=float(job.get("liveness_timeout_s", 10.0)),
-        collective_timeout_s=float(job.get("collective_timeout_s", 5.0)),
+        timeouts=Timeouts(float(job.get("heartbeat_timeout_s", 10.0))),
         stem=job["stem"],
         threads=1,
     )

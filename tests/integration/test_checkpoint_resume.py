@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from flodl import checkpoint
-from flodl.coord.chunks import epoch_slice, index_space, permutation
+from flodl.sampling import epoch_slice, index_space, permutation
 
 pytestmark = pytest.mark.integration
 

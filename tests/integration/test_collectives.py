@@ -22,9 +22,9 @@ import pytest
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from flodl.coord.store import StoreHost
 from flodl.errors import CollectiveFailed, LocalProtocolError
 from flodl.rank.collectives import Collective, divergence
+from flodl.service.store import StoreHost
 
 pytestmark = pytest.mark.integration
 

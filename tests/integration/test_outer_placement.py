@@ -1,7 +1,7 @@
 """The outer optimizer gives the same parameters in its CPU and its collective placement.
 
 flodl-spec §4.5: the outer step runs once at the coordinator for the CPU backend (on the folded
-consensus inside :class:`~flodl.coord.reduce.ReduceServer`) and on every rank for the collective
+consensus inside :class:`~flodl.service.reduce.ReduceServer`) and on every rank for the collective
 backend (after :meth:`~flodl.rank.collectives.Collective.weighted_average`). The same
 deterministic uploads go through both real placements and one float64 reference:
 
@@ -28,11 +28,11 @@ from typing import Any
 import pytest
 import torch
 
-from flodl.coord.reduce import ReduceServer
-from flodl.coord.store import StoreHost
 from flodl.outer import NesterovMomentum, OuterConfig, OuterStep, SlowMomentum
 from flodl.rank.collectives import Collective
 from flodl.rank.reduce_client import ReduceClient
+from flodl.service.reduce import ReduceServer
+from flodl.service.store import StoreHost
 
 pytestmark = pytest.mark.integration
 

@@ -37,7 +37,7 @@ SECRET = bytes(range(0x40, 0x60))  # 32 bytes
 SSHD_START_S = 10.0
 PROBE = """\
 import hashlib, json, os, sys
-from flodl.launch.ssh import read_secret_from_stdin
+from flodl.launch.env import read_secret_from_stdin
 secret = read_secret_from_stdin()
 print("RESULT " + json.dumps({
     "sha256": hashlib.sha256(secret).hexdigest(),

@@ -21,7 +21,8 @@ import torch
 
 from flodl.config import CoordConfig, ElCheConfig, validated
 from flodl.coord.effects import Alert, EpochDone, EvalDone, Record, RunOver, WriteMeta
-from flodl.coord.service import CoordinatorService
+from flodl.service.coordinator import CoordinatorService
+from flodl.timeouts import Timeouts
 from flodl.wire.frames import EpochMetrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.uvloop]
@@ -76,9 +77,7 @@ class Run:
             batch_size=self.batch_size,
             num_epochs=self.epochs,
             elche=ElCheConfig.preset(self.mode),
-            heartbeat_timeout_s=10.0,
-            join_timeout_s=60.0,
-            stall_floor_s=60.0,
+            timeouts=Timeouts(10.0, scale=0.2),  # stall floor 60 s
         )
         self.service = CoordinatorService(cfg, self.secret, sink=self.sink)
         port = await self.service.start()
@@ -116,8 +115,7 @@ async def spawn_rank(run: Run, rank: int, port: int) -> asyncio.subprocess.Proce
         "stem": str(run.tmp / "run"),
         "out": str(run.tmp / f"rank{rank}.pt"),
         "slow_ms": run.slow_ms.get(rank, 0.0),
-        "liveness_timeout_s": 10.0,
-        "collective_timeout_s": 8.0,
+        "heartbeat_timeout_s": 10.0,
     }
     env = {**os.environ, "FLODL_TEST_RANK": json.dumps(job), "FLODL_SECRET": run.secret.hex()}
     return await asyncio.create_subprocess_exec(sys.executable, str(RANK_MAIN), env=env)

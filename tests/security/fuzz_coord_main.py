@@ -30,9 +30,9 @@ import uvloop
 
 from flodl.config import CoordConfig, ElCheConfig, validated
 from flodl.coord.effects import Alert, EpochDone, Record
-from flodl.coord.server import LoggingSink
-from flodl.coord.service import CoordinatorService
 from flodl.monitor.session import MonitorSession
+from flodl.service.coordinator import CoordinatorService
+from flodl.service.server import LoggingSink
 
 
 class DashboardSink(LoggingSink):
@@ -82,8 +82,6 @@ async def main(job: dict[str, Any], secret: bytes) -> int:
         num_epochs=int(job["epochs"]),
         elche=ElCheConfig.preset(job["mode"]),
         run_id=job["run_id"],
-        heartbeat_timeout_s=30.0,
-        join_timeout_s=120.0,
     )
     session = MonitorSession(
         world_size=world, total_epochs=cfg.num_epochs, batch_size=cfg.batch_size, dashboard_port=0

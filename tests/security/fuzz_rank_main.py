@@ -24,7 +24,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from flodl.config import ElCheConfig  # noqa: E402
 from flodl.data import TensorBatchDataset  # noqa: E402
-from flodl.rank.runtime import RankSpec, TrainJob, run_rank  # noqa: E402
+from flodl.rank.runtime import RankSpec, run_rank  # noqa: E402
+from flodl.rank.step import TrainJob  # noqa: E402
 
 FEATURES, CLASSES = 16, 4
 
@@ -69,8 +70,6 @@ def main() -> int:
         run_id=job["run_id"],
         rank=int(job["rank"]),
         world_size=int(job["world_size"]),
-        liveness_timeout_s=30.0,
-        collective_timeout_s=20.0,
         stem=job["stem"],
         threads=1,
     )

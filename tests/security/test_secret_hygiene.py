@@ -43,9 +43,9 @@ import torch
 
 import flodl
 from flodl.config import CoordConfig, ElCheConfig, validated
-from flodl.coord.service import CoordinatorService
 from flodl.errors import FrameError
 from flodl.rank.bridge import RankBridge
+from flodl.service.coordinator import CoordinatorService
 from flodl.wire import codec, tensors
 from flodl.wire.codec import HEADER_BYTES, TAG_BYTES, decode_frame, encode_frame
 from flodl.wire.frames import Accept, Heartbeat, Hello, Reject
@@ -490,7 +490,7 @@ async def test_a_real_hello_recorded_from_one_run_is_refused_by_another(
     # run B: another run's secret (every launcher run draws its own): the tag fails
     service = await start_coordinator(os.urandom(32), "run-b")
     try:
-        with caplog.at_level(logging.WARNING, logger="flodl.coord.server"):
+        with caplog.at_level(logging.WARNING, logger="flodl.service.server"):
             reply = await send_raw(service.port, recorded)
         assert reply == b""  # not even a reject: nothing is decoded before the tag checks
         assert service.machine.liveness.joined_count() == 0
@@ -502,7 +502,7 @@ async def test_a_real_hello_recorded_from_one_run_is_refused_by_another(
     caplog.clear()
     service = await start_coordinator(secret_a, "run-c")
     try:
-        with caplog.at_level(logging.WARNING, logger="flodl.coord.server"):
+        with caplog.at_level(logging.WARNING, logger="flodl.service.server"):
             reply = await send_raw(service.port, recorded)
         reject = decode_frame(reply, secret_a)
         assert isinstance(reject, Reject)
@@ -544,7 +544,7 @@ async def test_a_frame_replayed_by_a_proxy_inside_a_connection_closes_it(
     proxy = RecordingProxy(service.port, duplicate=1)  # the first heartbeat, twice
     bridge = real_bridge(await proxy.start(), secret, "run-e")
     try:
-        with caplog.at_level(logging.WARNING, logger="flodl.coord.server"):
+        with caplog.at_level(logging.WARNING, logger="flodl.service.server"):
             await asyncio.to_thread(bridge.start)
             lost = await asyncio.to_thread(bridge.lost.wait, 15.0)
         assert lost, "the coordinator kept the connection that replayed a frame"
@@ -574,7 +574,7 @@ async def test_a_replayed_sequence_number_closes_the_connection(
         "future_seq": encode_frame(Heartbeat(rank=0, step=2), secret, seq=5),
     }[replay]
     try:
-        with caplog.at_level(logging.WARNING, logger="flodl.coord.server"):
+        with caplog.at_level(logging.WARNING, logger="flodl.service.server"):
             reply = await send_raw(service.port, hello + beat + second)
         accept = decode_frame(reply[: _first_len(reply)], secret)
         assert isinstance(accept, Accept)
@@ -670,7 +670,7 @@ async def test_a_live_hello_with_its_last_tag_byte_flipped_is_refused(
         Hello(run_id="run-g", rank=0, world_size=2, model_signature=SIGNATURE), secret
     )
     try:
-        with caplog.at_level(logging.WARNING, logger="flodl.coord.server"):
+        with caplog.at_level(logging.WARNING, logger="flodl.service.server"):
             assert await send_raw(service.port, _flip_last(hello)) == b""
             reply = await send_raw(service.port, hello, limit_s=1.0)  # the genuine one joins
         assert "bad first frame: bad auth tag" in caplog.text

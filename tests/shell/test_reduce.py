@@ -20,9 +20,9 @@ import pytest
 import torch
 import uvloop
 
-from flodl.coord.reduce import ReduceServer
 from flodl.errors import CoordinatorLost, FrameError
 from flodl.rank.reduce_client import ReduceClient
+from flodl.service.reduce import ReduceServer
 from flodl.wire.tensors import (
     CONSENSUS_SENDER,
     HELLO_BYTES,

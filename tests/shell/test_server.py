@@ -38,8 +38,9 @@ from flodl.coord.effects import (
 )
 from flodl.coord.liveness import RankState
 from flodl.coord.machine import Coordinator
-from flodl.coord.server import CoordinatorServer
 from flodl.errors import FrameError
+from flodl.service.server import CoordinatorServer
+from flodl.timeouts import Timeouts
 from flodl.wire.codec import AnyFrame, auth_tag, encode_frame
 from flodl.wire.frames import (
     PROTOCOL_VERSION,
@@ -69,7 +70,7 @@ WAIT_S = 5.0
 
 F = TypeVar("F", bound=AnyFrame)
 
-SERVER_LOGGER = "flodl.coord.server"
+SERVER_LOGGER = "flodl.service.server"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,7 +229,7 @@ def make_config(*, heartbeat_timeout_s: float = 30.0) -> CoordConfig:
         dataset_len=640,
         batch_size=32,
         elche=ElCheConfig.nccl_cadence(),
-        heartbeat_timeout_s=heartbeat_timeout_s,
+        timeouts=Timeouts(heartbeat_timeout_s),
         run_id=RUN_ID,
     )
 

@@ -13,7 +13,8 @@ from typing import Any
 from test_machine import Cluster, joined, make_config, of, sends
 
 from flodl.coord.effects import Alert, BundleRequested, Send, WriteMeta
-from flodl.coord.machine import Coordinator, ResumeState
+from flodl.coord.machine import Coordinator
+from flodl.coord.resume import ResumeState
 from flodl.wire.frames import (
     BundleSaved,
     Checkpoint,

@@ -1,4 +1,4 @@
-"""Count gate, averaging cycle, collective sessions and throttles (flodl-spec.md §6.2–6.3, §6.9)."""
+"""Count gate, averaging cycle, collective sessions and throttles (docs/design.md §2)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 from flodl.config import CoordConfig, validated
 from flodl.coord.cycle import Cycle, CyclePhase, Sessions, ranks_to_throttle, should_average
+from flodl.timeouts import Timeouts
 
 
 def gate(
@@ -20,7 +21,7 @@ def gate(
 ) -> bool:
     n = len(steps)
     return should_average(
-        policy=policy,  # type: ignore[arg-type]
+        one_step=policy == "sync",  # Sync's fixed one-step window
         alive=list(range(n)) if alive is None else alive,
         window_steps=steps,
         counts=[1] * n if counts is None else counts,
@@ -188,7 +189,7 @@ def test_stall_deadline_uses_the_production_ceiling() -> None:
 
 
 def test_stall_ceiling_scales_with_a_longer_heartbeat_timeout() -> None:
-    config = validated(CoordConfig, world_size=2, dataset_len=64, heartbeat_timeout_s=45.0)
+    config = validated(CoordConfig, world_size=2, dataset_len=64, timeouts=Timeouts(45.0))
     assert config.stall_ceiling_s == 450.0
 
 

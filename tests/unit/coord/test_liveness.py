@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from fakeclock import FakeClock
 
-from flodl.config import DEFAULT_HEARTBEAT_TIMEOUT_S, MaxFailure
+from flodl.config import MaxFailure
 from flodl.coord.liveness import Liveness, RankState, unrecoverable_reason
+from flodl.timeouts import DEFAULT_HEARTBEAT_TIMEOUT_S
 
 TIMEOUT = DEFAULT_HEARTBEAT_TIMEOUT_S  # 30 s, the production default
 
@@ -179,7 +180,7 @@ def test_unrecoverable_reason_table(
         world_size=world_size,
         dead=dead,
         alive=alive,
-        backend=backend,  # type: ignore[arg-type]
+        needs_two=backend == "collective",
         max_failure=max_failure,
     )
     if expected is None:
@@ -191,7 +192,7 @@ def test_unrecoverable_reason_table(
 
 def test_max_failure_reason_names_dead_world_and_limit() -> None:
     verdict = unrecoverable_reason(
-        world_size=5, dead=2, alive=3, backend="cpu", max_failure=MaxFailure(absolute=2)
+        world_size=5, dead=2, alive=3, needs_two=False, max_failure=MaxFailure(absolute=2)
     )
     assert verdict is not None
     reason, detail = verdict
@@ -201,7 +202,7 @@ def test_max_failure_reason_names_dead_world_and_limit() -> None:
 
 def test_max_failure_percent_reason_names_the_computed_limit() -> None:
     verdict = unrecoverable_reason(
-        world_size=10, dead=3, alive=7, backend="cpu", max_failure=MaxFailure(percent=0.25)
+        world_size=10, dead=3, alive=7, needs_two=False, max_failure=MaxFailure(percent=0.25)
     )
     assert verdict is not None
     assert verdict[0] == "max_failure_exceeded"
@@ -209,14 +210,12 @@ def test_max_failure_percent_reason_names_the_computed_limit() -> None:
 
 
 def test_all_ranks_lost_reason_names_the_world() -> None:
-    verdict = unrecoverable_reason(world_size=4, dead=4, alive=0, backend="cpu", max_failure=None)
+    verdict = unrecoverable_reason(world_size=4, dead=4, alive=0, needs_two=False, max_failure=None)
     assert verdict == ("all_ranks_lost", "all 4 ranks lost")
 
 
 def test_single_survivor_reason_names_survivors_and_world() -> None:
-    verdict = unrecoverable_reason(
-        world_size=3, dead=2, alive=1, backend="collective", max_failure=None
-    )
+    verdict = unrecoverable_reason(world_size=3, dead=2, alive=1, needs_two=True, max_failure=None)
     assert verdict is not None
     assert verdict[0] == "single_survivor"
     assert "1 rank left of 3" in verdict[1]

@@ -16,7 +16,6 @@ import pytest
 from fakeclock import FakeClock
 
 from flodl.config import CoordConfig, ElCheConfig, MaxFailure, validated
-from flodl.coord.chunks import BatchRange
 from flodl.coord.effects import (
     Alert,
     Close,
@@ -31,8 +30,10 @@ from flodl.coord.effects import (
     WriteMeta,
 )
 from flodl.coord.inputs import ChildExited, PeerLost, ReduceDone
+from flodl.coord.ledger import BatchRange
 from flodl.coord.liveness import RankState
-from flodl.coord.machine import META_SCHEMA_VERSION, Coordinator, RunPhase
+from flodl.coord.machine import Coordinator, RunPhase
+from flodl.coord.resume import META_SCHEMA_VERSION
 from flodl.wire.frames import (
     Accept,
     Batch,
@@ -996,7 +997,7 @@ def test_training_progress_keeps_the_watchdog_quiet() -> None:
 
 def test_resume_skips_probe_and_trains_only_the_uncovered_ranges() -> None:
     from flodl.coord.elche import ElCheState
-    from flodl.coord.machine import ResumeState
+    from flodl.coord.resume import ResumeState
 
     cfg = make_config("cpu_cadence", world_size=2, dataset_len=640, num_epochs=2)
     state = ElCheState(

@@ -24,13 +24,8 @@ import pytest
 
 from flodl.errors import ConfigError
 from flodl.launch.cluster import SshSettings, Worker
-from flodl.launch.ssh import (
-    ENV_SECRET_STDIN,
-    EXIT_BAD_WORKER_PATH,
-    read_secret_from_stdin,
-    spawn_ssh,
-    ssh_command,
-)
+from flodl.launch.env import ENV_SECRET_STDIN, read_secret_from_stdin
+from flodl.launch.ssh import EXIT_BAD_WORKER_PATH, spawn_ssh, ssh_command
 
 SECRET = bytes(range(0xA0, 0xC0))  # 32 bytes, hex a0a1…bf
 DEFAULTS = [

@@ -71,9 +71,9 @@ from typing import Self
 
 import torch
 
-from flodl.coord.refusals import Refusals
 from flodl.errors import FrameError, LocalProtocolError
 from flodl.outer import OuterConfig, OuterStep
+from flodl.service.refusals import Refusals
 from flodl.wire.tensors import (
     CONSENSUS_SENDER,
     DATA_HANDSHAKE_TIMEOUT_S,

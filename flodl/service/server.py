@@ -49,8 +49,8 @@ from flodl.coord.effects import (
 )
 from flodl.coord.inputs import ChildExited, Input, PeerLost, ReduceDone
 from flodl.coord.machine import Coordinator
-from flodl.coord.refusals import Refusals
 from flodl.errors import FrameError
+from flodl.service.refusals import Refusals
 from flodl.wire.codec import MAX_CONTROL_FRAME_BYTES, AnyFrame
 from flodl.wire.frames import (
     RANK_FRAME_KINDS,
@@ -108,7 +108,7 @@ class LoggingSink:
 
 
 class ReduceHooks(Protocol):
-    """What the control loop tells the CPU reduce server (see :mod:`flodl.coord.reduce`)."""
+    """What the control loop tells the CPU reduce server (see :mod:`flodl.service.reduce`)."""
 
     def open_round(self, cycle: int, ranks: tuple[int, ...]) -> None: ...
     def rank_dead(self, rank: int) -> None: ...

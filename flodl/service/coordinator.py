@@ -8,17 +8,16 @@ import random
 
 import torch
 
-from flodl import checkpoint
 from flodl.config import CoordConfig
-from flodl.coord.effects import BundleRequested, RunOver, WriteMeta
-from flodl.coord.machine import Coordinator, ResumeState
-from flodl.coord.reduce import ReduceServer
-from flodl.coord.server import CoordinatorServer, EffectSink
-from flodl.coord.store import StoreHost
-from flodl.errors import CheckpointError
+from flodl.coord.effects import RunOver
+from flodl.coord.machine import Coordinator
+from flodl.coord.resume import ResumeState
 from flodl.outer import OuterConfig
+from flodl.service.reduce import ReduceServer
+from flodl.service.server import CoordinatorServer, EffectSink
+from flodl.service.store import StoreHost
 
-__all__ = ["CoordinatorService", "BundleWriter", "resume_from_bundle"]
+__all__ = ["CoordinatorService"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ class CoordinatorService:
         """Start every service; returns the control port."""
         data_port: int | None = None
         store_port: int | None = None
-        if self.config.elche.backend == "cpu":
+        if self.config.elche.traits.cpu_averaging:
             self._reduce = ReduceServer(
                 self.secret,
                 host=self.host,
@@ -116,75 +115,3 @@ class CoordinatorService:
             self._reduce.close()
         if self._store is not None:
             self._store.close()
-
-
-class BundleWriter:
-    """The coordinator's part of a checkpoint bundle: the CPU outer optimizer's state as of the
-    request, then the meta that commits the bundle (the ranks already wrote the model file).
-
-    A failed write is logged and costs only this checkpoint, never the run.
-    """
-
-    def __init__(self, stem: str | None, service: CoordinatorService | None = None) -> None:
-        self.stem = stem
-        self.service = service
-        self._outer: dict[int, dict[str, list[torch.Tensor]]] = {}
-        self.written: list[str] = []
-
-    def bundle_requested(self, effect: BundleRequested) -> None:
-        if self.stem is not None and self.service is not None:
-            state = self.service.outer_state()
-            if state:
-                self._outer[effect.version] = state
-
-    def write_meta(self, effect: WriteMeta) -> None:
-        outer = self._outer.pop(effect.version, None) if effect.version is not None else None
-        if self.stem is None:
-            return
-        try:
-            if outer:
-                checkpoint.save_outer(self.stem, outer, global_step=effect.meta["global_step"])
-            checkpoint.write_meta(self.stem, effect.meta)
-        except Exception:
-            logger.exception(
-                "writing the checkpoint meta for %s failed (training continues)", self.stem
-            )
-            return
-        self.written.append(str(effect.reason))
-        logger.info("checkpoint %s saved (%s)", self.stem, effect.reason)
-
-
-def resume_from_bundle(
-    stem: str, coord_cfg: CoordConfig
-) -> tuple[ResumeState, dict[str, list[torch.Tensor]] | None]:
-    """The coordinator's side of ``resume_from``: the meta (checked against this run and the
-    model file), and the CPU outer state when there is one.
-
-    Raises:
-        CheckpointError: missing/corrupt files, another world size or seed, or a model file
-            from another save than the meta.
-    """
-    meta = checkpoint.read_meta(stem, world_size=coord_cfg.world_size)
-    state = checkpoint.resume_state(
-        meta,
-        seed=coord_cfg.seed,
-        batch_size=coord_cfg.batch_size,
-        epoch_splits=coord_cfg.epoch_splits,
-        total_epochs=coord_cfg.total_epochs,
-    )
-    bundle = checkpoint.load_model(stem)
-    if bundle.global_step != meta.global_step:
-        raise CheckpointError(
-            f"{stem}.fdl is from global step {bundle.global_step} but {stem}.meta.json from "
-            f"{meta.global_step}: the two come from different saves"
-        )
-    outer = None
-    if coord_cfg.elche.backend == "cpu":
-        try:
-            saved = checkpoint.load_outer(stem)
-        except CheckpointError as exc:
-            logger.warning("outer optimizer state not restored (%s): zero momentum", exc)
-            saved = None
-        if saved is not None and saved.global_step == meta.global_step:
-            outer = saved.state
-    return state, outer

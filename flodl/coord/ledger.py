@@ -1,0 +1,579 @@
+"""The per-epoch work ledger: which batch is where, so "trained exactly once" is checkable.
+
+Pure module: no I/O, no clock, no threads (docs/design.md §5). Work is counted in WHOLE BATCHES
+(drop-last): an epoch of ``epoch_samples`` picks has ``B = epoch_samples // batch_size``
+batches, and batch ``b`` covers positions ``[b·bs, (b+1)·bs)`` of the epoch's slice of the
+permutation (:mod:`flodl.sampling`). Ranges are half-open :class:`BatchRange` values in batch
+units; on the wire a plan is in samples (:func:`to_samples`, :func:`from_samples`).
+
+Rules:
+    - One :class:`EpochWork` per epoch is the single source of truth for coverage, for both
+      dispatch styles (whole-epoch partitions and progressive chunks). A batch is in exactly one
+      place: the unassigned pool, a rank's FIFO queue (assigned, maybe done, not committed), a
+      rank's committed set, or (on resume) the part an earlier run already covered.
+    - A rank trains its assigned ranges strictly in FIFO order, one batch per step; ``advance``
+      beyond what was assigned is a :class:`~flodl.errors.LocalProtocolError` here (the
+      coordinator checks a peer's frame before calling it, so reaching it is our own bug).
+    - A take whose send fails is rolled back exactly (``rollback_take``, which also undoes the
+      last ``assign``): only the rank's most recent grant, with no batch advanced, once.
+    - A dead rank forfeits every assigned-but-uncommitted batch, done or not: work whose
+      contribution never reached a finalized reduce is not covered. Committed batches stay.
+    - ``commit_upto(rank, n)`` takes a cumulative done count, so the coordinator can capture
+      ``done(rank)`` at a reduce trigger and commit exactly that at finalize; ``n`` at or below
+      ``committed(rank)`` is a no-op, ``n > done(rank)`` raises.
+    - ``assign`` of an empty range is a no-op; empty ranges are never queued.
+    - ``coverage_report`` audits the ledger at any time: ``duplicates`` counts batches held in
+      more than one place, ``missing`` batches held nowhere. Once ``is_done()`` these are
+      exactly "committed twice" and "uncovered". ``check_exactly_once`` raises
+      :class:`~flodl.errors.CoverageError`.
+    - Every operation is ``O(#ranges · log)``: no per-batch lists, so 10^6-batch epochs are
+      cheap.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from flodl.checks import require_non_negative, require_positive
+from flodl.errors import CoverageError, LocalProtocolError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
+__all__ = [
+    "BatchRange",
+    "merge_ranges",
+    "range_total",
+    "to_samples",
+    "from_samples",
+    "CoverageReport",
+    "EpochWork",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranges
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class BatchRange:
+    """A half-open range ``[start, stop)`` of batch indices within one epoch.
+
+    Attributes:
+        start: first batch index (inclusive), ``>= 0``.
+        stop: one past the last batch index, ``>= start`` (an empty range is allowed).
+    """
+
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.stop < self.start:
+            raise LocalProtocolError(f"invalid batch range [{self.start}, {self.stop})")
+
+    @property
+    def size(self) -> int:
+        """Number of batches in the range."""
+        return self.stop - self.start
+
+
+def _start(rng: BatchRange) -> int:
+    return rng.start
+
+
+def merge_ranges(ranges: Iterable[BatchRange]) -> list[BatchRange]:
+    """Sort and coalesce overlapping or adjacent ranges; drop empty ones."""
+    out: list[BatchRange] = []
+    for rng in sorted(r for r in ranges if r.size > 0):
+        if out and rng.start <= out[-1].stop:
+            if rng.stop > out[-1].stop:
+                out[-1] = BatchRange(out[-1].start, rng.stop)
+        else:
+            out.append(rng)
+    return out
+
+
+def range_total(ranges: Iterable[BatchRange]) -> int:
+    return sum(r.size for r in ranges)
+
+
+def _insert_disjoint(ranges: list[BatchRange], rng: BatchRange) -> None:
+    """Insert ``rng`` into sorted, disjoint, coalesced ``ranges``, merging adjacent neighbours.
+
+    Raises:
+        CoverageError: ``rng`` overlaps a range already held (a batch would be held twice).
+    """
+    if rng.size == 0:
+        return
+    i = bisect.bisect_left(ranges, rng.start, key=_start)
+    left = ranges[i - 1] if i > 0 else None
+    right = ranges[i] if i < len(ranges) else None
+    if (left is not None and left.stop > rng.start) or (
+        right is not None and right.start < rng.stop
+    ):
+        raise CoverageError(f"range [{rng.start}, {rng.stop}) overlaps batches already held")
+    merge_left = left is not None and left.stop == rng.start
+    merge_right = right is not None and right.start == rng.stop
+    if left is not None and right is not None and merge_left and merge_right:
+        ranges[i - 1] = BatchRange(left.start, right.stop)
+        del ranges[i]
+    elif left is not None and merge_left:
+        ranges[i - 1] = BatchRange(left.start, rng.stop)
+    elif right is not None and merge_right:
+        ranges[i] = BatchRange(rng.start, right.stop)
+    else:
+        ranges.insert(i, rng)
+
+
+def _complement(ranges: Sequence[BatchRange], total: int) -> list[BatchRange]:
+    """The parts of ``[0, total)`` not in sorted, disjoint ``ranges``."""
+    out: list[BatchRange] = []
+    cursor = 0
+    for rng in ranges:
+        if rng.start > cursor:
+            out.append(BatchRange(cursor, rng.start))
+        cursor = max(cursor, rng.stop)
+    if cursor < total:
+        out.append(BatchRange(cursor, total))
+    return out
+
+
+def to_samples(rng: BatchRange, batch_size: int) -> tuple[int, int]:
+    """Express a batch range as a wire plan ``(offset, size)`` in samples.
+
+    Raises:
+        LocalProtocolError: ``batch_size < 1``.
+    """
+    require_positive("batch_size", batch_size)
+    return rng.start * batch_size, rng.size * batch_size
+
+
+def from_samples(offset: int, size: int, batch_size: int) -> BatchRange:
+    """Read a wire plan ``(offset, size)`` in samples back as a batch range.
+
+    Raises:
+        LocalProtocolError: ``batch_size < 1``, a negative value, or an offset or size that is not a
+            whole number of batches.
+    """
+    require_positive("batch_size", batch_size)
+    require_non_negative("offset", offset)
+    require_non_negative("size", size)
+    if offset % batch_size or size % batch_size:
+        raise LocalProtocolError(
+            f"plan (offset={offset}, size={size}) is not batch-aligned (batch_size={batch_size})"
+        )
+    start = offset // batch_size
+    return BatchRange(start, start + size // batch_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-epoch work ledger
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CoverageReport:
+    """An audit of one :class:`EpochWork` ledger.
+
+    Attributes:
+        total: batches in the epoch.
+        precovered: batches an earlier run already covered (resume), not work of this ledger.
+        committed: batches committed in this ledger (summed over ranks).
+        duplicates: batches held in more than one place (committed twice, or committed and still
+            pending, or overlapping the precovered part); each extra holding counts once.
+        missing: batches held nowhere (neither pending, committed nor precovered).
+    """
+
+    total: int
+    precovered: int
+    committed: int
+    duplicates: int
+    missing: int
+
+    @property
+    def ok(self) -> bool:
+        """No batch is held twice and none is lost."""
+        return self.duplicates == 0 and self.missing == 0
+
+
+@dataclass(slots=True)
+class _RankLedger:
+    """One rank's part of the ledger (mutable, private).
+
+    ``queue`` holds the rank's assigned-but-uncommitted ranges in FIFO (training) order; its first
+    ``done_open`` batches are done (trained) but not yet committed.
+    """
+
+    queue: deque[BatchRange] = field(default_factory=deque)
+    queued: int = 0
+    done_open: int = 0
+    committed_count: int = 0
+    committed: list[BatchRange] = field(default_factory=list)
+    last_grant: BatchRange | None = None
+
+
+class EpochWork:
+    """The per-epoch work ledger: the single source of truth for coverage.
+
+    Used by both dispatch styles: progressive chunks (:meth:`take`) and non-progressive
+    partitions (:meth:`assign`, then :func:`split_among` + :meth:`assign` when a rank dies).
+    Called only from the coordinator's state machine (one thread).
+
+    Every batch of ``[0, total_batches)`` is in exactly one place: the unassigned pool, one rank's
+    queue (assigned; maybe done; not committed), one rank's committed set, or the precovered part
+    (batches an earlier run covered, on resume).
+
+    Args:
+        epoch: the epoch index.
+        total_batches: whole batches in the epoch (:func:`epoch_batches`).
+        world_size: number of ranks.
+        uncovered: on resume, the only ranges that are work (the checkpoint's coverage block);
+            everything else counts as already covered. ``None``: the whole epoch is work.
+
+    Raises:
+        LocalProtocolError: bad sizes, or uncovered ranges outside the epoch.
+    """
+
+    __slots__ = ("_pool", "_pool_count", "_precovered", "_ranks", "epoch", "total_batches")
+
+    def __init__(
+        self,
+        epoch: int,
+        total_batches: int,
+        world_size: int,
+        uncovered: Sequence[BatchRange] | None = None,
+    ) -> None:
+        require_non_negative("epoch", epoch)
+        require_non_negative("total_batches", total_batches)
+        require_positive("world_size", world_size)
+        self.epoch = epoch
+        self.total_batches = total_batches
+        if uncovered is None:
+            self._pool = [BatchRange(0, total_batches)] if total_batches else []
+        else:
+            self._pool = merge_ranges(uncovered)
+            if self._pool and self._pool[-1].stop > total_batches:
+                raise LocalProtocolError(
+                    f"uncovered range ends at {self._pool[-1].stop}, past the epoch's "
+                    f"{total_batches} batches"
+                )
+        self._pool_count = range_total(self._pool)
+        self._precovered = _complement(self._pool, total_batches)
+        self._ranks = [_RankLedger() for _ in range(world_size)]
+
+    def __repr__(self) -> str:
+        return (
+            f"EpochWork(epoch={self.epoch}, total_batches={self.total_batches}, "
+            f"remaining={self._pool_count}, pending={[lg.queued for lg in self._ranks]}, "
+            f"committed={[lg.committed_count for lg in self._ranks]})"
+        )
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks the ledger tracks."""
+        return len(self._ranks)
+
+    @property
+    def work_batches(self) -> int:
+        """Batches this ledger has to cover (the epoch minus the precovered part)."""
+        return self.total_batches - range_total(self._precovered)
+
+    def _ledger(self, rank: int) -> _RankLedger:
+        if not 0 <= rank < len(self._ranks):
+            raise LocalProtocolError(
+                f"rank {rank} out of range (world_size {len(self._ranks)})", rank=rank
+            )
+        return self._ranks[rank]
+
+    def _grant(self, ledger: _RankLedger, rng: BatchRange) -> None:
+        ledger.queue.append(rng)
+        ledger.queued += rng.size
+        ledger.last_grant = rng
+
+    # -- dispatch -------------------------------------------------------------------------------
+
+    def take(self, rank: int, max_batches: int) -> BatchRange | None:
+        """Take the next chunk for ``rank`` from the lowest unassigned range.
+
+        Args:
+            rank: the receiving rank.
+            max_batches: chunk size wanted, ``>= 1``; the chunk is shorter when the lowest
+                unassigned fragment is.
+
+        Returns:
+            The range now queued for ``rank`` (FIFO), or ``None`` when nothing is unassigned.
+
+        Raises:
+            LocalProtocolError: a bad rank or ``max_batches < 1``.
+        """
+        ledger = self._ledger(rank)
+        if max_batches < 1:
+            raise LocalProtocolError(f"max_batches must be >= 1, got {max_batches}", rank=rank)
+        if not self._pool:
+            return None
+        head = self._pool[0]
+        rng = BatchRange(head.start, min(head.stop, head.start + max_batches))
+        if rng.stop == head.stop:
+            del self._pool[0]
+        else:
+            self._pool[0] = BatchRange(rng.stop, head.stop)
+        self._pool_count -= rng.size
+        self._grant(ledger, rng)
+        return rng
+
+    def assign(self, rank: int, rng: BatchRange) -> None:
+        """Queue a specific range for ``rank`` (partitions and ``ExtendPartition``).
+
+        An empty range is a no-op.
+
+        Raises:
+            LocalProtocolError: a bad rank, or ``rng`` not entirely within the unassigned pool.
+        """
+        ledger = self._ledger(rank)
+        if rng.size == 0:
+            return
+        i = bisect.bisect_right(self._pool, rng.start, key=_start) - 1
+        if i < 0 or self._pool[i].stop < rng.stop:
+            raise LocalProtocolError(
+                f"range [{rng.start}, {rng.stop}) of epoch {self.epoch} is not unassigned",
+                rank=rank,
+            )
+        host = self._pool[i]
+        pieces = [
+            p
+            for p in (BatchRange(host.start, rng.start), BatchRange(rng.stop, host.stop))
+            if p.size
+        ]
+        self._pool[i : i + 1] = pieces
+        self._pool_count -= rng.size
+        self._grant(ledger, rng)
+
+    def rollback_take(self, rank: int, rng: BatchRange) -> None:
+        """Undo ``rank``'s last grant exactly (its send failed): the range returns to the pool.
+
+        Works for the last :meth:`take` or :meth:`assign`, once, provided no batch of it was
+        advanced.
+
+        Raises:
+            LocalProtocolError: ``rng`` is not that rank's last untouched grant.
+        """
+        ledger = self._ledger(rank)
+        untouched = ledger.done_open <= ledger.queued - rng.size
+        if ledger.last_grant != rng or not ledger.queue or ledger.queue[-1] != rng or not untouched:
+            raise LocalProtocolError(
+                f"[{rng.start}, {rng.stop}) is not rank {rank}'s last untouched grant",
+                rank=rank,
+            )
+        ledger.queue.pop()
+        ledger.queued -= rng.size
+        ledger.last_grant = None
+        _insert_disjoint(self._pool, rng)
+        self._pool_count += rng.size
+
+    # -- progress -------------------------------------------------------------------------------
+
+    def advance(self, rank: int, steps: int = 1) -> None:
+        """Mark the next ``steps`` batches of ``rank``'s FIFO queue done (trained).
+
+        Raises:
+            LocalProtocolError: a bad rank, negative ``steps``, or more steps than batches in
+                flight (a protocol violation: the coordinator evicts the rank).
+        """
+        ledger = self._ledger(rank)
+        if steps < 0:
+            raise LocalProtocolError(f"steps must be >= 0, got {steps}", rank=rank)
+        in_flight = ledger.queued - ledger.done_open
+        if steps > in_flight:
+            raise LocalProtocolError(
+                f"rank {rank} reported {steps} steps in epoch {self.epoch} but has only "
+                f"{in_flight} batches in flight",
+                rank=rank,
+            )
+        ledger.done_open += steps
+
+    def commit(self, rank: int) -> None:
+        """Commit every done batch of ``rank`` (a reduce including its contribution finalized)."""
+        self.commit_upto(rank, self.done(rank))
+
+    def commit_upto(self, rank: int, done_count: int) -> None:
+        """Commit ``rank``'s batches up to a cumulative done count (e.g. captured at the trigger).
+
+        Afterwards ``committed(rank) == max(committed(rank), done_count)``; a count at or below
+        the committed count is a no-op.
+
+        Raises:
+            LocalProtocolError: a bad rank, or ``done_count > done(rank)``.
+        """
+        ledger = self._ledger(rank)
+        if done_count > ledger.committed_count + ledger.done_open:
+            raise LocalProtocolError(
+                f"cannot commit {done_count} batches of rank {rank}: only "
+                f"{ledger.committed_count + ledger.done_open} done",
+                rank=rank,
+            )
+        need = done_count - ledger.committed_count
+        while need > 0:
+            head = ledger.queue[0]
+            n = min(need, head.size)
+            if n == head.size:
+                ledger.queue.popleft()
+                if ledger.last_grant == head:
+                    ledger.last_grant = None
+            else:
+                ledger.queue[0] = BatchRange(head.start + n, head.stop)
+            _insert_disjoint(ledger.committed, BatchRange(head.start, head.start + n))
+            ledger.queued -= n
+            ledger.done_open -= n
+            ledger.committed_count += n
+            need -= n
+
+    def forfeit(self, rank: int) -> list[BatchRange]:
+        """The rank died: every assigned but uncommitted batch returns to the unassigned pool.
+
+        Its committed batches stay covered.
+
+        Returns:
+            The returned ranges, merged and sorted.
+        """
+        ledger = self._ledger(rank)
+        returned = merge_ranges(ledger.queue)
+        for rng in returned:
+            _insert_disjoint(self._pool, rng)
+        self._pool_count += ledger.queued
+        ledger.queue.clear()
+        ledger.queued = 0
+        ledger.done_open = 0
+        ledger.last_grant = None
+        return returned
+
+    # -- queries --------------------------------------------------------------------------------
+
+    def assigned(self, rank: int) -> int:
+        """Batches assigned to ``rank`` and not forfeited (committed + pending)."""
+        ledger = self._ledger(rank)
+        return ledger.committed_count + ledger.queued
+
+    def done(self, rank: int) -> int:
+        """Batches ``rank`` has trained (committed + done-uncommitted); cumulative per epoch."""
+        ledger = self._ledger(rank)
+        return ledger.committed_count + ledger.done_open
+
+    def committed(self, rank: int) -> int:
+        """Batches of ``rank`` committed by a finalized reduce."""
+        return self._ledger(rank).committed_count
+
+    def in_flight(self, rank: int) -> int:
+        """Batches assigned to ``rank`` and not yet trained (assigned − done)."""
+        ledger = self._ledger(rank)
+        return ledger.queued - ledger.done_open
+
+    def pending(self, rank: int) -> int:
+        """Batches assigned to ``rank`` and not yet committed (assigned − committed)."""
+        return self._ledger(rank).queued
+
+    def outstanding(self, rank: int) -> list[BatchRange]:
+        """``rank``'s untrained ranges, in the FIFO order it trains them."""
+        ledger = self._ledger(rank)
+        out: list[BatchRange] = []
+        skip = ledger.done_open
+        for rng in ledger.queue:
+            if skip >= rng.size:
+                skip -= rng.size
+                continue
+            out.append(BatchRange(rng.start + skip, rng.stop))
+            skip = 0
+        return out
+
+    def remaining(self) -> int:
+        """Unassigned batches."""
+        return self._pool_count
+
+    def unassigned_ranges(self) -> list[BatchRange]:
+        """The unassigned pool: sorted, disjoint, coalesced."""
+        return list(self._pool)
+
+    def is_done(self) -> bool:
+        """Nothing unassigned and every assigned batch committed."""
+        return not self._pool and all(not lg.queue for lg in self._ranks)
+
+    def uncovered_ranges(self) -> list[BatchRange]:
+        """Unassigned ∪ assigned-not-committed, merged and sorted (a checkpoint's coverage)."""
+        held: list[BatchRange] = list(self._pool)
+        for ledger in self._ranks:
+            held.extend(ledger.queue)
+        return merge_ranges(held)
+
+    def precovered_ranges(self) -> list[BatchRange]:
+        """Batches an earlier run covered (resume); empty for a fresh epoch."""
+        return list(self._precovered)
+
+    def committed_by_rank(self) -> dict[int, list[BatchRange]]:
+        """Each rank's committed ranges, sorted; every rank is a key, in rank order."""
+        return {r: list(lg.committed) for r, lg in enumerate(self._ranks)}
+
+    # -- coverage proof -------------------------------------------------------------------------
+
+    def coverage_report(self) -> CoverageReport:
+        """Audit the ledger by sweeping every holding over ``[0, total_batches)``."""
+        holdings: list[BatchRange] = [*self._pool, *self._precovered]
+        committed = 0
+        for ledger in self._ranks:
+            holdings.extend(ledger.queue)
+            holdings.extend(ledger.committed)
+            committed += range_total(ledger.committed)
+        events: list[tuple[int, int]] = []
+        for rng in holdings:
+            if rng.size:
+                events.append((rng.start, 1))
+                events.append((rng.stop, -1))
+        events.append((0, 0))
+        events.append((self.total_batches, 0))
+        events.sort()
+        duplicates = missing = depth = 0
+        prev = 0
+        for pos, delta in events:
+            span = pos - prev
+            if span:
+                if depth == 0 and prev < self.total_batches:
+                    missing += min(pos, self.total_batches) - prev
+                elif depth > 1:
+                    duplicates += (depth - 1) * span
+            depth += delta
+            prev = pos
+        return CoverageReport(
+            total=self.total_batches,
+            precovered=range_total(self._precovered),
+            committed=committed,
+            duplicates=duplicates,
+            missing=missing,
+        )
+
+    def check_exactly_once(self) -> None:
+        """Prove exactly-once coverage so far.
+
+        Raises:
+            CoverageError: a batch is held twice (e.g. committed twice), a batch is lost (when
+                :meth:`is_done`, that is "a batch of the work is uncovered"), or the ledger's
+                counters disagree with its ranges.
+        """
+        report = self.coverage_report()
+        if not report.ok:
+            raise CoverageError(
+                f"epoch {self.epoch}: {report.duplicates} batch(es) held twice, "
+                f"{report.missing} batch(es) lost ({report})"
+            )
+        if self._pool_count != range_total(self._pool):
+            raise CoverageError(f"epoch {self.epoch}: pool counter {self._pool_count} is stale")
+        for r, ledger in enumerate(self._ranks):
+            if (
+                ledger.queued != range_total(ledger.queue)
+                or ledger.committed_count != range_total(ledger.committed)
+                or not 0 <= ledger.done_open <= ledger.queued
+            ):
+                raise CoverageError(f"epoch {self.epoch}: rank {r} counters are stale")

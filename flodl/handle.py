@@ -1,0 +1,76 @@
+"""What ``Trainer.run()`` returns on every tier: a handle to join the run and stream its
+per-epoch metrics."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+from flodl.rank.snapshot import TrainedState
+from flodl.wire.frames import EpochMetrics
+
+__all__ = ["TrainerHandle"]
+
+
+class TrainerHandle:
+    """What ``run()`` returns: ``join()`` the final state, stream :class:`EpochMetrics`."""
+
+    def __init__(self, world_size: int, *, is_primary: bool = True) -> None:
+        self.world_size = world_size
+        self.is_primary = is_primary
+        self.dashboard_url: str | None = None
+        """The live dashboard's address while the run lasts (``dashboard(port)``)."""
+        self._metrics: queue.SimpleQueue[EpochMetrics | None] = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._state: TrainedState | None = None
+        self._error: BaseException | None = None
+        self._joiner: Callable[[], None] | None = None
+
+    # producer side
+    def _push(self, m: EpochMetrics) -> None:
+        self._metrics.put(m)
+
+    def _finish(self, state: TrainedState | None, error: BaseException | None) -> None:
+        self._state, self._error = state, error
+        self._metrics.put(None)
+        self._done.set()
+
+    # consumer side
+    def join(self, timeout: float | None = None) -> TrainedState:
+        """Wait for the run; returns the final consensus state (CPU tensors).
+
+        Raises:
+            FlodlError: the run failed (the message says why).
+            TimeoutError: not finished within ``timeout`` seconds.
+        """
+        if self._joiner is not None:
+            self._joiner()
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the run did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._state is not None
+        return self._state
+
+    def next_metrics(self, timeout: float | None = None) -> EpochMetrics | None:
+        """The next epoch's metrics, blocking; ``None`` once the run is over (or timeout)."""
+        if self._done.is_set() and self._metrics.empty():
+            return None
+        try:
+            return self._metrics.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def poll_metrics(self) -> list[EpochMetrics]:
+        """Every epoch's metrics that arrived since the last call, without blocking."""
+        out: list[EpochMetrics] = []
+        while True:
+            try:
+                m = self._metrics.get_nowait()
+            except queue.Empty:
+                return out
+            if m is None:
+                self._metrics.put(None)
+                return out
+            out.append(m)

@@ -1,0 +1,113 @@
+"""A rank process's side of the launch contract (tier 4, and the children of tiers 2 and 3).
+
+The process learns who it is from the environment (:mod:`flodl.launch.env`), trains until the
+coordinator ends the run, and then either exits (a child of flodl's own launcher: its final
+state goes to the launcher's run directory, so code after ``join()`` runs once, in the
+launcher) or returns a handle (a rank started by torchrun, SLURM or by hand: ``is_primary``
+says which rank does the one-off work).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from flodl.handle import TrainerHandle
+from flodl.launch.env import (
+    ENV_DEVICE,
+    ENV_FINAL_DIR,
+    ENV_RUN_ID,
+    ENV_STEM,
+    ENV_THREADS,
+    coord_address,
+    final_state_path,
+    is_launched,
+    rank_env,
+    read_secret,
+    timeout_scale,
+)
+from flodl.rank.runtime import RankSpec, run_rank
+from flodl.rank.snapshot import TrainedState
+from flodl.rank.step import TrainJob
+from flodl.timeouts import Timeouts
+
+__all__ = ["rank_spec", "run_as_rank", "exit_launched_rank"]
+
+
+def rank_spec(heartbeat_timeout: float) -> RankSpec:
+    """This rank's addresses, secret and initial deadlines from the environment.
+
+    ``heartbeat_timeout`` (scaled by ``FLODL_NET_TIMEOUT_SCALE``) bounds only the connection and
+    the handshake; from the coordinator's ``accept`` on, the rank obeys the deadlines it sends.
+
+    Raises:
+        ConfigError: a variable is missing or malformed (the message names it).
+    """
+    found = rank_env()
+    if found is None:
+        raise AssertionError("rank_spec() called in a process that is not a rank")
+    rank, world = found
+    host, port = coord_address()
+    threads = os.environ.get(ENV_THREADS)
+    return RankSpec(
+        coord_host=host,
+        coord_port=port,
+        secret=read_secret(),
+        run_id=os.environ.get(ENV_RUN_ID, "run"),
+        rank=rank,
+        world_size=world,
+        device=os.environ.get(ENV_DEVICE, "cpu"),
+        timeouts=Timeouts.derive(heartbeat_timeout, timeout_scale()),
+        stem=os.environ.get(ENV_STEM) or None,
+        threads=int(threads) if threads else None,
+    )
+
+
+def run_as_rank(job: TrainJob, heartbeat_timeout: float) -> TrainerHandle:
+    """Train as this process's rank; a launched child never returns (it exits)."""
+    spec = rank_spec(heartbeat_timeout)
+    launched = is_launched()
+    try:
+        state = run_rank(spec, job)
+    except BaseException:
+        if launched:
+            # the launcher's user reads this child's stderr: say which rank died and why
+            print(f"flodl: rank {spec.rank} failed:", file=sys.stderr)  # noqa: T201
+            traceback.print_exc()
+            exit_launched_rank(None, spec.rank)
+        raise
+    if launched:
+        exit_launched_rank(state, spec.rank)
+    handle = TrainerHandle(spec.world_size, is_primary=spec.rank == 0)
+    handle._finish(state, None)
+    return handle
+
+
+def exit_launched_rank(state: TrainedState | None, rank: int) -> None:
+    """End a launcher-spawned rank process: its final state goes to the launcher (exit 0), or
+    nothing does (exit 1). Code after ``join()``/``finish()`` runs once: in the launcher."""
+    code = 1
+    if state is not None:
+        code = 0
+        final_dir = os.environ.get(ENV_FINAL_DIR)
+        if final_dir:
+            try:
+                _save_state(state, final_state_path(final_dir, rank))
+            except OSError:
+                traceback.print_exc()
+                code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _save_state(state: TrainedState, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(
+        {"params": state.params, "buffers": state.buffers, "save_reason": state.save_reason}, tmp
+    )
+    os.replace(tmp, path)

@@ -1,0 +1,437 @@
+"""The launcher (tiers 2 and 3): the coordinator service on a thread, one child per rank, the
+supervisor that reports every child's exit, and the final state (docs/design.md §2c).
+
+The launcher re-executes the user's own command line once per rank (``sys.orig_argv``, so
+``python -m pkg`` works) with the ``FLODL_*`` environment of :mod:`flodl.launch.env` and the run
+secret in the environment (local) or on stdin (ssh), never on a command line. A watcher thread
+per child reports its exit to the coordinator (the fast death path); an ``atexit`` hook,
+SIGTERM and ``join()``'s KeyboardInterrupt path stop the children (SIGTERM, SIGKILL after
+5 s), so no rank outlives its launcher. Every rank writes its final state to the run directory;
+the launcher returns the lowest rank's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import queue
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flodl.chaos import CHAOS_ENV, RECORD_DIR_ENV
+from flodl.config import CoordConfig
+from flodl.coord.effects import (
+    Alert,
+    BundleRequested,
+    EpochDone,
+    EvalDone,
+    Record,
+    RunOver,
+    WriteMeta,
+)
+from flodl.errors import FlodlError
+from flodl.handle import TrainerHandle
+from flodl.launch.cluster import CLUSTER_ENV_VAR, Cluster, RankSlot
+from flodl.launch.env import (
+    ENV_COORD,
+    ENV_DEVICE,
+    ENV_FINAL_DIR,
+    ENV_LAUNCHED,
+    ENV_PREFIX_OUTPUT,
+    ENV_RANK,
+    ENV_RUN_ID,
+    ENV_SECRET,
+    ENV_STEM,
+    ENV_THREADS,
+    ENV_WORLD,
+    final_state_path,
+    local_host_names,
+    timeout_scale,
+)
+from flodl.monitor.session import MonitorSession
+from flodl.rank.snapshot import TrainedState
+from flodl.rank.step import TrainJob, timed_callback
+from flodl.service.bundles import BundleWriter, resume_from_bundle
+from flodl.service.coordinator import CoordinatorService
+from flodl.trainer_config import TrainerConfig, coord_config, monitor_session
+from flodl.wire.frames import EpochMetrics
+
+__all__ = ["launch"]
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 5.0
+"""How long a terminated child has to exit before it is killed."""
+
+
+def launch(job: TrainJob, c: TrainerConfig, cluster: Cluster) -> TrainerHandle:
+    """Start the run of ``job`` on ``cluster``; returns at once with its handle.
+
+    Raises:
+        ConfigError: the configuration is invalid for this cluster.
+        CheckpointError: ``resume_from`` names a missing, corrupt or foreign bundle.
+        FlodlError: the coordinator failed to start.
+    """
+    return _Launcher(job, c, cluster).start()
+
+
+@dataclass
+class _HandleSink:
+    """The coordinator's non-network effects, delivered in the launcher process."""
+
+    handle: TrainerHandle
+    metrics_fn: Callable[[EpochMetrics], None] | None
+    bundles: BundleWriter
+    eval_result_fn: Callable[[int, float], None] | None = None
+    monitor: MonitorSession | None = None
+    _epoch_extra: dict[str, Any] | None = None
+
+    def write_meta(self, effect: WriteMeta) -> None:
+        self.bundles.write_meta(effect)
+
+    def bundle_requested(self, effect: BundleRequested) -> None:
+        self.bundles.bundle_requested(effect)
+
+    def record(self, effect: Record) -> None:
+        if effect.kind == "epoch":  # merged into the epoch's records by epoch_done
+            self._epoch_extra = dict(effect.data)
+            return
+        if self.monitor is not None:
+            self.monitor.record(effect.path, effect.kind, effect.data)
+
+    def alert(self, effect: Alert) -> None:
+        if self.monitor is not None:
+            self.monitor.alert(effect.cls, effect.path, effect.detail, effect.severity)
+        else:
+            print(f"flodl [{effect.cls}] {effect.path}: {effect.detail}", flush=True)  # noqa: T201
+
+    def epoch_done(self, effect: EpochDone) -> None:
+        extra, self._epoch_extra = self._epoch_extra or {}, None
+        extra.pop("epoch", None)
+        extra.pop("avg_loss", None)
+        if self.monitor is not None:
+            self.monitor.epoch(effect.metrics, extra)
+        fn = self.metrics_fn
+        if fn is not None:
+            timed_callback(f"metrics_fn (epoch {effect.metrics.epoch})", lambda: fn(effect.metrics))
+        self.handle._push(effect.metrics)
+
+    def eval_done(self, effect: EvalDone) -> None:
+        fn = self.eval_result_fn
+        if fn is not None:
+            timed_callback("eval_result_fn", lambda: fn(effect.epoch, effect.metric))
+
+
+def _child_argv() -> list[str]:
+    """Re-execute the user's own entry point (script or ``-m module``, same argv)."""
+    orig = list(getattr(sys, "orig_argv", []))
+    if len(orig) >= 2:
+        return [sys.executable, *orig[1:]]
+    return [sys.executable, *sys.argv]
+
+
+def _record_hosts(cluster: Cluster) -> tuple[str, ...]:
+    """Each rank's host name as a record-tree path segment (``[A-Za-z0-9._-]``, ≤ 64)."""
+    names = []
+    for slot in cluster.ranks():
+        host = cluster.workers[slot.worker_index].host
+        names.append(re.sub(r"[^A-Za-z0-9._-]", "_", host)[:64].strip(".") or "host")
+    return tuple(names)
+
+
+class _Launcher:
+    """One launched run: the service thread, the children, their watchers and the finisher."""
+
+    def __init__(self, job: TrainJob, c: TrainerConfig, cluster: Cluster) -> None:
+        self.job, self.c, self.cluster = job, c, cluster
+        self.local_names = local_host_names()
+        self.all_local = cluster.is_local(self.local_names)
+        self.bind_host = "127.0.0.1" if self.all_local else cluster.controller.host
+        self.bind_port = 0 if self.all_local else cluster.controller.port
+        self.coord_cfg: CoordConfig = coord_config(
+            c,
+            world_size=cluster.world_size,
+            dataset_len=len(job.dataset),
+            run_id=f"run-{secrets.token_hex(4)}",
+            scale=timeout_scale(),
+            save_bundles=job.save_path is not None,
+            hosts=_record_hosts(cluster),
+        )
+        resume, outer_state = (
+            resume_from_bundle(job.resume_from, self.coord_cfg) if job.resume_from else (None, None)
+        )
+        self.secret = secrets.token_bytes(32)
+        self.handle = TrainerHandle(cluster.world_size)
+        self.bundles = BundleWriter(job.save_path)
+        hosts = sorted(set(self.coord_cfg.hosts or ()))
+        self.monitor = monitor_session(
+            c,
+            cluster.world_size,
+            self.coord_cfg.hosts,
+            run_info={"run_id": self.coord_cfg.run_id, "hosts": hosts},
+        )
+        if self.monitor is not None:
+            self.handle.dashboard_url = self.monitor.url
+        sink = _HandleSink(self.handle, c.metrics_fn, self.bundles, c.eval_result_fn, self.monitor)
+        self.service = CoordinatorService(
+            self.coord_cfg,
+            self.secret,
+            host=self.bind_host,
+            port=self.bind_port,
+            sink=sink,
+            resume=resume,
+            outer=c.outer_optimizer,
+            outer_state=outer_state,
+        )
+        self.bundles.service = self.service
+        self.run_dir = Path(tempfile.mkdtemp(prefix="flodl-"))
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.pumps: list[threading.Thread] = []
+        self.watchers: list[threading.Thread] = []
+        self.over_box: list[RunOver] = []
+        self.loop_box: list[asyncio.AbstractEventLoop] = []
+        self.stopped = threading.Event()
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> TrainerHandle:
+        port = self._start_service()
+        if not self.all_local:
+            # printed as well as logged: it must be seen even where logging is not configured
+            warning = (
+                f"coordinator listening on {self.bind_host}:{port} for ranks on other hosts: "
+                "traffic is authenticated (HMAC) but not encrypted; tunnel it across untrusted "
+                "networks"
+            )
+            logger.warning("%s", warning)
+            print(f"flodl: warning: {warning}", file=sys.stderr, flush=True)  # noqa: T201
+        self._spawn_ranks(port)
+        atexit.register(self.kill_all)
+        self._stop_children_on_sigterm()
+        for rank, proc in enumerate(self.procs):
+            watcher = threading.Thread(
+                target=self._watch, args=(rank, proc), name=f"flodl-watch-{rank}", daemon=True
+            )
+            watcher.start()
+            self.watchers.append(watcher)
+        finisher = threading.Thread(target=self._finish, name="flodl-finish", daemon=True)
+        finisher.start()
+        self.handle._joiner = lambda: self._join(finisher)
+        return self.handle
+
+    def _start_service(self) -> int:
+        ready: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
+        service = self.service
+
+        async def serve() -> None:
+            self.loop_box.append(asyncio.get_running_loop())
+            try:
+                port = await service.start()
+            except BaseException as exc:
+                ready.put(exc)
+                raise
+            ready.put(port)
+            try:
+                self.over_box.append(await service.wait())
+            finally:
+                await service.close()
+
+        def service_main() -> None:
+            try:
+                import uvloop
+
+                uvloop.run(serve())
+            except BaseException:
+                logger.exception("coordinator service failed")
+            finally:
+                self.stopped.set()
+
+        threading.Thread(target=service_main, name="flodl-coord", daemon=True).start()
+        got = ready.get(timeout=60)
+        if isinstance(got, BaseException):
+            raise FlodlError(f"the coordinator failed to start: {got}") from got
+        return got
+
+    def _base_env(self, port: int) -> dict[str, str]:
+        cfg, job = self.coord_cfg, self.job
+        env = {
+            ENV_COORD: f"{self.bind_host}:{port}",
+            ENV_WORLD: str(cfg.world_size),
+            ENV_RUN_ID: cfg.run_id,
+            ENV_LAUNCHED: "1",
+            ENV_FINAL_DIR: str(self.run_dir),
+            ENV_STEM: job.save_path or str(self.run_dir / "run"),
+        }
+        if self.c.record_log is not None:  # rank-side records (chaos faults) go to the same tree
+            env[RECORD_DIR_ENV] = self.c.record_log
+        if self.c.chaos is not None:
+            env[CHAOS_ENV] = self.c.chaos.to_env()
+        return env
+
+    def _spawn_ranks(self, port: int) -> None:
+        cluster = self.cluster
+        slots = cluster.ranks()
+        per_worker = {
+            i: sum(1 for s in slots if s.worker_index == i) for i in range(len(cluster.workers))
+        }
+        cores = os.cpu_count() or 1
+        prefix = os.environ.get(ENV_PREFIX_OUTPUT) == "1"
+        base = self._base_env(port)
+        inherited = {k: v for k, v in os.environ.items() if k != CLUSTER_ENV_VAR}
+        for slot in slots:
+            threads = max(1, cores // per_worker[slot.worker_index]) if slot.device == "cpu" else 1
+            env = {
+                **cluster.worker_env(slot.worker_index),
+                **base,
+                ENV_RANK: str(slot.rank),
+                ENV_DEVICE: slot.device,
+                ENV_THREADS: str(threads),
+            }
+            proc = self._spawn(slot, env, inherited, piped=prefix)
+            self.procs.append(proc)
+            if prefix:
+                for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                    pump = threading.Thread(
+                        target=_pump, args=(stream, out, f"[rank {slot.rank}] "), daemon=True
+                    )
+                    pump.start()
+                    self.pumps.append(pump)
+
+    def _spawn(
+        self, slot: RankSlot, env: dict[str, str], inherited: dict[str, str], *, piped: bool
+    ) -> subprocess.Popen[bytes]:
+        worker = self.cluster.workers[slot.worker_index]
+        pipe = subprocess.PIPE if piped else None
+        if worker.is_local(self.local_names):
+            full = {**inherited, **env, ENV_SECRET: self.secret.hex()}
+            return subprocess.Popen(_child_argv(), env=full, stdout=pipe, stderr=pipe)
+        from flodl.launch.ssh import spawn_ssh
+
+        return spawn_ssh(worker, _child_argv(), env, self.secret, stdout=pipe, stderr=pipe)
+
+    def _stop_children_on_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        # SIGTERM would end the launcher without atexit hooks and orphan the ranks: stop them
+        # first, then exit as a SIGTERM'd process would.
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self.kill_all()
+            if callable(previous):
+                previous(signum, frame)
+            raise SystemExit(128 + signum)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        code = proc.wait()
+        self.service.child_exited_threadsafe(rank, code)
+
+    # ------------------------------------------------------------------ stop
+    def kill_all(self) -> None:
+        """Terminate every child still running; kill those that outlast the grace."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.perf_counter() + STOP_GRACE_S
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def _finish(self) -> None:
+        error: BaseException | None = None
+        state: TrainedState | None = None
+        try:
+            self.stopped.wait()
+            for t in self.watchers:
+                t.join(timeout=self.coord_cfg.timeouts.heartbeat_s + 10.0)
+            self.kill_all()
+            for pump in self.pumps:
+                pump.join(timeout=STOP_GRACE_S)
+            over = self.over_box[0] if self.over_box else None
+            codes = [p.returncode for p in self.procs]
+            state = _load_final(self.run_dir, codes)
+            if over is None:
+                error = FlodlError("the coordinator stopped without ending the run")
+            elif not over.ok and over.save_reason is None:
+                error = FlodlError(f"run failed: {over.reason} (rank exit codes {codes})")
+            elif state is None:
+                error = FlodlError(f"no rank delivered a final state (exit codes {codes})")
+            elif over.save_reason is not None:
+                state.save_reason = over.save_reason
+        except BaseException as exc:  # noqa: BLE001 - delivered to join()
+            error = exc
+        finally:
+            atexit.unregister(self.kill_all)
+            if self.monitor is not None:
+                self.monitor.close()  # the service stopped: every record is in; archive, stop
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.handle._finish(state, error)
+
+    def _join(self, finisher: threading.Thread) -> None:
+        try:
+            finisher.join()
+        except KeyboardInterrupt:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGINT)
+            self.kill_all()
+            loop = self.loop_box[0] if self.loop_box else None
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(_cancel_all, loop)
+            raise
+
+
+def _pump(stream: Any, out: Any, prefix: str) -> None:
+    """Copy a child's output line by line, each line prefixed with its rank."""
+    try:
+        for raw in iter(stream.readline, b""):
+            out.write(prefix + raw.decode(errors="replace"))
+            out.flush()
+    finally:
+        stream.close()
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
+
+
+def _load_final(run_dir: Path, codes: list[int | None]) -> TrainedState | None:
+    """The first delivered final state; ``replicas_agree`` says whether every rank that
+    delivered one holds the same parameters (the consensus of the last reduce)."""
+    states: list[TrainedState] = []
+    for rank, code in enumerate(codes):
+        path = final_state_path(run_dir, rank)
+        if code == 0 and path.exists():
+            data: dict[str, Any] = torch.load(path, weights_only=True)
+            states.append(
+                TrainedState(list(data["params"]), list(data["buffers"]), data["save_reason"])
+            )
+    if not states:
+        return None
+    first = states[0]
+    if len(states) > 1:
+        first.replicas_agree = all(
+            all(torch.equal(a, b) for a, b in zip(first.params, s.params, strict=True))
+            for s in states[1:]
+        )
+    return first
