@@ -22,10 +22,13 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from flodl.coord.metrics import WindowStats
+
 __all__ = [
     "should_average",
     "CyclePhase",
     "Cycle",
+    "RankWindow",
     "Sessions",
     "ranks_to_throttle",
 ]
@@ -139,6 +142,28 @@ class Cycle:
 
     def stall_deadline(self, ceiling_s: float) -> float | None:
         return self.pending_since_at + ceiling_s if self.pending else None
+
+
+@dataclass(slots=True)
+class RankWindow:
+    """One rank's side of the averaging cycles.
+
+    Attributes:
+        step: the rank's latest step counter.
+        window: accumulators of the window in progress (reset when the rank acks a cycle).
+        closed_window: the window the rank closed with its ack, until the cycle finalizes.
+        snapshot: the rank's done count per open epoch when it entered the pending cycle
+            (``snapshot_ready``, overwritten by its ``sync_ack``); what finalize commits.
+        snapshot_cycle: the cycle the snapshot belongs to.
+        ack_session: the collective session the rank's ack was made under.
+    """
+
+    step: int = 0
+    window: WindowStats = field(default_factory=WindowStats)
+    closed_window: WindowStats | None = None
+    snapshot: dict[int, int] | None = None
+    snapshot_cycle: int = -1
+    ack_session: int = 0
 
 
 @dataclass(slots=True)

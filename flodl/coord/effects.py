@@ -17,6 +17,7 @@ __all__ = [
     "RefusePeer",
     "Close",
     "RankDead",
+    "RankLeft",
     "OpenReduce",
     "WriteMeta",
     "BundleRequested",
@@ -66,6 +67,14 @@ class RankDead:
 
     rank: int
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RankLeft:
+    """``rank`` finished cleanly during the shutdown: no averaging round waits for it any more
+    (a peer blocked in a CPU round it will never upload to is released)."""
+
+    rank: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +152,7 @@ Effect = (
     | RefusePeer
     | Close
     | RankDead
+    | RankLeft
     | OpenReduce
     | WriteMeta
     | BundleRequested

@@ -6,6 +6,7 @@ Pure module. Decoded wire frames are inputs too (one vocabulary, as h11); these 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 __all__ = ["PeerLost", "ChildExited", "ReduceDone", "Input"]
 
@@ -14,6 +15,7 @@ __all__ = ["PeerLost", "ChildExited", "ReduceDone", "Input"]
 class PeerLost:
     """The control connection of ``rank`` ended (EOF, reset, bad frame or slow reader)."""
 
+    kind: ClassVar[str] = "peer_lost"
     rank: int
     reason: str
 
@@ -22,6 +24,7 @@ class PeerLost:
 class ChildExited:
     """The launcher's supervisor saw the process of ``rank`` exit (the fast death path)."""
 
+    kind: ClassVar[str] = "child_exited"
     rank: int
     exit_code: int
 
@@ -32,6 +35,7 @@ class ReduceDone:
     upload is folded into the consensus (sorted). A rank that dies after this still had its
     work averaged in, so its window is committed, not redone."""
 
+    kind: ClassVar[str] = "reduce_done"
     cycle: int
     contributors: tuple[int, ...]
     weight_total: float

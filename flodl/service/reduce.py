@@ -71,6 +71,7 @@ from typing import Self
 
 import torch
 
+from flodl.coord.rounds import RoundBook
 from flodl.errors import FrameError, LocalProtocolError
 from flodl.outer import OuterConfig, OuterStep
 from flodl.service.refusals import Refusals
@@ -228,10 +229,10 @@ class _Consensus:
 
 @dataclass(eq=False, slots=True)
 class _Round:
+    """A round's payloads and its consensus (which uploads it expects is the round book's)."""
+
     cycle: int
-    expected: set[int] | None = None  # None until open_round
     uploads: dict[int, _Upload] = field(default_factory=dict)
-    frozen: bool = False
     consensus: _Consensus | None = None
     failed: bool = False
 
@@ -342,9 +343,8 @@ class ReduceServer:
         # Everything below is guarded by self._cond.
         self._conns: set[_Conn] = set()
         self._by_rank: dict[int, _Conn] = {}
-        self._dead: set[int] = set()
+        self._book = RoundBook(world_size)
         self._rounds: dict[int, _Round] = {}
-        self._opened = -1
         self._models: dict[TensorKind, _Model] = {}
         self._inflight: _Consensus | None = None
         # Owned by the worker thread.
@@ -422,7 +422,7 @@ class ReduceServer:
 
     # ------------------------------------------------------------------ coordinator calls
     def open_round(self, cycle: int, ranks: Sequence[int]) -> None:
-        """Expect uploads for round ``cycle`` from ``ranks`` (ranks already dead are dropped).
+        """Expect uploads for round ``cycle`` from ``ranks`` (ranks already gone are dropped).
 
         Uploads that arrived early for ``cycle`` count; early uploads from ranks not in
         ``ranks``, and uploads to an earlier round never opened, close those connections.
@@ -431,48 +431,33 @@ class ReduceServer:
             LocalProtocolError: ``cycle`` is not above every round opened so far, or a rank is
                 outside ``range(world_size)``.
         """
-        expected = {int(r) for r in ranks}
-        if any(not 0 <= r < self.world_size for r in expected):
-            raise LocalProtocolError(f"round {cycle}: ranks {sorted(expected)} outside the world")
         with self._cond:
             if self._closing:
                 return
-            if cycle <= self._opened:
-                raise LocalProtocolError(f"round {cycle} opened after round {self._opened}")
-            self._opened = cycle
-            for number in [n for n, r in self._rounds.items() if r.expected is None and n < cycle]:
-                for rank in self._rounds.pop(number).uploads:
-                    self._kick(rank, f"uploaded to round {number}, which was never opened")
-            rnd = self._rounds.setdefault(cycle, _Round(cycle))
-            rnd.expected = expected - self._dead
-            for rank in [r for r in rnd.uploads if r not in rnd.expected]:
-                del rnd.uploads[rank]
-                self._kick(rank, f"uploaded to round {cycle}, which does not expect it")
-            self._maybe_freeze(rnd)
+            opened = self._book.open(cycle, ranks)
+            self._reconcile([] if opened.complete is None else [(cycle, opened.complete)])
+            for rank, reason in opened.refused:
+                self._kick(rank, reason)
             self._cond.notify_all()
 
     def rank_dead(self, rank: int) -> None:
-        """``rank`` was declared dead: stop waiting for it and close its data connection.
+        """``rank`` left the run (declared dead, or exited): stop waiting for it and close its
+        data connection.
 
         Every open round forgets the rank (its upload, if any, is not folded in) and may
         complete. A round already complete keeps it as a contributor.
         """
         with self._cond:
-            if self._closing or rank in self._dead:
+            if self._closing or rank in self._book.gone:
                 return
-            self._dead.add(rank)
-            for rnd in self._rounds.values():
-                rnd.uploads.pop(rank, None)
-                if rnd.expected is not None:
-                    rnd.expected.discard(rank)
+            done = self._book.leave(rank)
             if self._inflight is not None:
                 self._inflight.sending.discard(rank)
             conn = self._by_rank.get(rank)
             if conn is not None and not conn.closed:
-                logger.info("rank %d declared dead: closing its data connection", rank)
+                logger.info("rank %d left the run: closing its data connection", rank)
                 self._shut(conn)
-            for rnd in list(self._rounds.values()):
-                self._maybe_freeze(rnd)
+            self._reconcile(done)
             self._cond.notify_all()
 
     def waiting_for(self, cycle: int) -> tuple[int, ...] | None:
@@ -483,10 +468,7 @@ class ReduceServer:
             not open (not opened yet, or already complete).
         """
         with self._cond:
-            rnd = self._rounds.get(cycle)
-            if rnd is None or rnd.expected is None:
-                return None
-            return tuple(sorted(rnd.expected - rnd.uploads.keys()))
+            return self._book.waiting_for(cycle)
 
     def uploads(self, cycle: int) -> tuple[int, ...]:
         """The ranks whose upload for round ``cycle`` arrived and awaits the fold, sorted.
@@ -494,8 +476,7 @@ class ReduceServer:
         Uploads to a round not opened yet count; a complete round has none left.
         """
         with self._cond:
-            rnd = self._rounds.get(cycle)
-            return () if rnd is None else tuple(sorted(rnd.uploads))
+            return self._book.uploads(cycle)
 
     # ------------------------------------------------------------------ state (lock held)
     def _shut(self, conn: _Conn) -> None:
@@ -514,24 +495,20 @@ class ReduceServer:
             self._refuse(reason, "closing the data connection of rank %d: %s", rank, reason)
             self._shut(conn)
 
-    def _maybe_freeze(self, rnd: _Round) -> None:
-        if rnd.frozen or rnd.expected is None or not rnd.expected <= rnd.uploads.keys():
-            return
-        rnd.frozen = True
-        del self._rounds[rnd.cycle]
-        self._jobs.put(rnd)
-
-    def _round_problem(self, rank: int, cycle: int) -> str | None:
-        rnd = self._rounds.get(cycle)
-        if rnd is not None and rank in rnd.uploads:
-            return f"second upload to round {cycle}"
-        if rnd is not None and rnd.expected is not None:
-            if rank not in rnd.expected:
-                return f"round {cycle} does not expect rank {rank}"
-            return None
-        if cycle <= self._opened:
-            return f"round {cycle} is not open (latest opened: {self._opened})"
-        return None  # a round not opened yet: the upload waits for open_round
+    def _reconcile(self, complete: list[tuple[int, tuple[int, ...]]]) -> None:
+        """Bring the payloads in line with the round book after it changed: complete rounds go
+        to the fold worker, payloads the book no longer holds are dropped."""
+        for cycle, contributors in complete:
+            rnd = self._rounds.pop(cycle, None) or _Round(cycle)
+            rnd.uploads = {r: rnd.uploads[r] for r in contributors}
+            self._jobs.put(rnd)
+        pending = set(self._book.pending())
+        for cycle in [c for c in self._rounds if c not in pending]:
+            del self._rounds[cycle]  # early uploads to a round that was never opened
+        for cycle, rnd in self._rounds.items():
+            held = set(self._book.uploads(cycle))
+            for rank in [r for r in rnd.uploads if r not in held]:
+                del rnd.uploads[rank]
 
     def _model(self, kind: TensorKind, layout: TensorLayout) -> _Model:
         with self._cond:
@@ -631,8 +608,8 @@ class ReduceServer:
         with self._cond:
             if self._closing:
                 raise _Refused("server closing")
-            if rank in self._dead:
-                raise _Refused(f"rank {rank} was declared dead")
+            if rank in self._book.gone:
+                raise _Refused(f"rank {rank} left the run")
             if rank in self._by_rank:
                 raise _Refused(f"rank {rank} already has a live data connection")
             self._by_rank[rank] = conn
@@ -682,7 +659,7 @@ class ReduceServer:
             raise FrameError(f"expected a {kind.name} frame, got {header.kind.name}")
         if cycle is None:
             with self._cond:
-                problem = self._round_problem(conn.rank, header.round)
+                problem = self._book.problem(conn.rank, header.round)
             if problem is not None:
                 raise _Refused(problem)
         elif header.round != cycle:
@@ -702,12 +679,13 @@ class ReduceServer:
         with self._cond:
             if self._closing or conn.closed:
                 raise _Refused("closing")
-            problem = self._round_problem(conn.rank, cycle)
+            problem = self._book.problem(conn.rank, cycle)
             if problem is not None:
                 raise _Refused(problem)
             rnd = self._rounds.setdefault(cycle, _Round(cycle))
             rnd.uploads[conn.rank] = upload
-            self._maybe_freeze(rnd)
+            complete = self._book.upload(conn.rank, cycle)
+            self._reconcile([] if complete is None else [(cycle, complete)])
             return rnd
 
     def _send_consensus(self, conn: _Conn, rnd: _Round) -> bool:
@@ -806,7 +784,7 @@ class ReduceServer:
             sending = {
                 r
                 for r in contributors
-                if r in self._by_rank and not self._by_rank[r].closed and r not in self._dead
+                if r in self._by_rank and not self._by_rank[r].closed and r not in self._book.gone
             }
             consensus = _Consensus(contributors, weight_total, frames, sending)
             rnd.consensus = self._inflight = consensus

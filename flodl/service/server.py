@@ -40,6 +40,7 @@ from flodl.coord.effects import (
     EvalDone,
     OpenReduce,
     RankDead,
+    RankLeft,
     Record,
     RefusePeer,
     Reply,
@@ -389,6 +390,9 @@ class CoordinatorServer:
                         self._close_peer(peer, reason, report=False)
                 case RankDead(rank=rank, reason=reason):
                     logger.warning("rank %d declared dead: %s", rank, reason)
+                    if self.reduce is not None:
+                        self.reduce.rank_dead(rank)
+                case RankLeft(rank=rank):
                     if self.reduce is not None:
                         self.reduce.rank_dead(rank)
                 case OpenReduce(cycle=cycle, ranks=ranks):

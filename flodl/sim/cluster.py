@@ -44,6 +44,7 @@ from flodl.coord.effects import (
     WriteMeta,
 )
 from flodl.coord.inputs import ChildExited, ReduceDone
+from flodl.coord.liveness import RankState
 from flodl.coord.machine import Coordinator, RunPhase
 from flodl.errors import InvariantViolation
 from flodl.timeouts import Timeouts
@@ -561,24 +562,24 @@ class SimCluster:
         if c.phase is RunPhase.FORMING:
             return
         barrier = self.config.elche.barrier_paced
-        for e, work in c.works.items():
+        for e, work in c.dispatch.works.items():
             report = work.coverage_report()
             if not report.ok:
                 self._violate(f"epoch {e} ledger broken: {report}")
             for rank in range(len(self.ranks)):
-                dead = c.liveness.state(rank).value == "dead"
-                if dead and rank not in c.deferred_forfeit and work.pending(rank):
+                dead = c.membership.state(rank) is RankState.DEAD
+                if dead and rank not in c.averaging.deferred_forfeit and work.pending(rank):
                     self._violate(f"dead rank {rank} still holds work in epoch {e}")
                 if barrier and c.progressive and len(work.outstanding(rank)) > 1:
                     self._violate(f"rank {rank} has more than one chunk in flight (epoch {e})")
-        if barrier and c.phase is RunPhase.TRAINING and len(c.works) > 1:
-            self._violate(f"barrier-paced run has epochs {sorted(c.works)} open at once")
+        if barrier and c.phase is RunPhase.TRAINING and len(c.dispatch.works) > 1:
+            self._violate(f"barrier-paced run has epochs {sorted(c.dispatch.works)} open at once")
         if c.phase is RunPhase.TRAINING and not c.cycle.pending:
-            alive = c.liveness.alive()
+            alive = c.membership.alive()
             expected = should_average(
                 one_step=self.config.elche.traits.one_step_gate,
                 alive=alive,
-                window_steps=[r.window.steps for r in c.ranks],
+                window_steps=[r.window.steps for r in c.windows],
                 counts=[max(1, n) for n in c.elche.batch_counts],
                 quiesced=[c.in_flight(r) == 0 for r in range(len(self.ranks))],
                 chunked=c.traits.chunk_is_window and c.progressive,

@@ -91,7 +91,7 @@ __all__ = [
     "COORD_FRAME_KINDS",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped on any incompatible change of a frame or of the codec."""
 
 MAX_WORLD_SIZE = 65_536
@@ -353,7 +353,9 @@ class RankExited(_Frame):
 
 
 class Accept(_Frame):
-    """Handshake accepted. Timeouts are already scaled by ``FLODL_NET_TIMEOUT_SCALE``."""
+    """Handshake accepted. The rank obeys the coordinator's deadlines from now on: every one of
+    them derives from ``heartbeat_timeout_s`` (already scaled) and ``timeout_scale``
+    (:class:`~flodl.timeouts.Timeouts`)."""
 
     kind: Literal["accept"] = "accept"
     protocol: Annotated[int, Field(ge=0, le=65_535)] = PROTOCOL_VERSION
@@ -362,6 +364,7 @@ class Accept(_Frame):
     world_size: WorldSize
     session: Count = 0
     heartbeat_timeout_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+    timeout_scale: Annotated[float, Field(ge=0.01, le=1e6, allow_inf_nan=False)] = 1.0
     data_port: Annotated[int, Field(ge=0, le=65_535)] | None = None
     store_port: Annotated[int, Field(ge=0, le=65_535)] | None = None
 

@@ -127,7 +127,7 @@ def params_of(state: dict[str, Any]) -> list[torch.Tensor]:
 
 def assert_exact_coverage(run: Run) -> None:
     assert run.service is not None
-    log = run.service.machine.coverage_log
+    log = run.service.machine.dispatch.coverage_log
     assert sorted(log) == list(range(run.epochs))
     for epoch, report in log.items():
         assert report.ok, (epoch, report)
@@ -183,7 +183,7 @@ async def test_sigkill_one_of_three_ranks_mid_epoch(mode: str, tmp_path: Path) -
         assert codes[1] == -signal.SIGKILL
         assert codes[0] == 0
         assert codes[2] == 0
-        assert machine.liveness.dead() == [1]
+        assert machine.membership.liveness.dead() == [1]
         assert_exact_coverage(run)
         assert [a.cls for a in run.sink.alerts].count("rank_lost") == 1
         a, b = params_of(run.state(0)), params_of(run.state(2))

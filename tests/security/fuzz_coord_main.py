@@ -115,10 +115,10 @@ async def main(job: dict[str, Any], secret: bytes) -> int:
                 "reason": None if over is None else over.reason,
                 "coverage": {
                     str(e): {"total": r.total, "committed": r.committed, "ok": r.ok}
-                    for e, r in sorted(machine.coverage_log.items())
+                    for e, r in sorted(machine.dispatch.coverage_log.items())
                 },
-                "dead": machine.liveness.dead(),
-                "joined": machine.liveness.joined_count(),
+                "dead": machine.membership.liveness.dead(),
+                "joined": machine.membership.liveness.joined_count(),
                 "sync_rounds": machine.sync_rounds,
                 "epochs": sink.epochs,
                 "vm_hwm_kb": vm_hwm_kb(),

@@ -493,7 +493,7 @@ async def test_a_real_hello_recorded_from_one_run_is_refused_by_another(
         with caplog.at_level(logging.WARNING, logger="flodl.service.server"):
             reply = await send_raw(service.port, recorded)
         assert reply == b""  # not even a reject: nothing is decoded before the tag checks
-        assert service.machine.liveness.joined_count() == 0
+        assert service.machine.membership.liveness.joined_count() == 0
         assert "bad first frame: bad auth tag" in caplog.text
     finally:
         await service.close()
@@ -507,7 +507,7 @@ async def test_a_real_hello_recorded_from_one_run_is_refused_by_another(
         reject = decode_frame(reply, secret_a)
         assert isinstance(reject, Reject)
         assert "run id 'run-a' does not match this run ('run-c')" in reject.reason
-        assert service.machine.liveness.joined_count() == 0
+        assert service.machine.membership.liveness.joined_count() == 0
         assert re.search(r"(?:refused|closing) \S+: run id 'run-a' does not match", caplog.text)
     finally:
         await service.close()
@@ -529,7 +529,7 @@ async def test_a_recorded_hello_is_refused_by_a_later_run_with_the_same_secret_a
         reply = await send_raw(service.port, recorded, limit_s=2.0)
         frame = decode_frame(reply[: _first_len(reply)], secret)
         assert isinstance(frame, Reject), frame
-        assert service.machine.liveness.joined_count() == 0
+        assert service.machine.membership.liveness.joined_count() == 0
     finally:
         await service.close()
 

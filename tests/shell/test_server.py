@@ -303,7 +303,7 @@ async def test_accept_carries_rank_world_run_id_and_ports() -> None:
         assert accept.store_port == STORE_PORT
         assert accept.data_port == DATA_PORT
         assert accept.heartbeat_timeout_s == 30.0
-        assert h.machine.liveness.state(1) is RankState.ALIVE
+        assert h.machine.membership.liveness.state(1) is RankState.ALIVE
 
 
 @pytest.mark.timeout(30)
@@ -354,7 +354,7 @@ async def test_refused_hello_gets_reject_then_close_and_the_run_goes_on(
         assert reason in reply.reason
         assert await refused.read_until_eof() == []  # the server closed it after the Reject
         # the server keeps serving: the first rank 0 is untouched, rank 1 still joins
-        assert h.machine.liveness.state(0) is RankState.ALIVE
+        assert h.machine.membership.liveness.state(0) is RankState.ALIVE
         second, accept = await h.join(1)
         assert accept.rank == 1
         await first.read_until(StartEpoch)
@@ -399,7 +399,7 @@ async def test_wrong_secret_is_closed_without_reply(caplog: pytest.LogCaptureFix
         intruder = await h.hello(0, secret=WRONG_SECRET)
         assert await intruder.read_until_eof() == []  # nothing at all, then EOF
         assert any("bad first frame" in m and "bad auth tag" in m for m in server_warnings(caplog))
-        assert h.machine.liveness.state(0) is RankState.JOINING
+        assert h.machine.membership.liveness.state(0) is RankState.JOINING
         _, accept = await h.join(0)  # the run is unaffected
         assert accept.rank == 0
 
@@ -493,8 +493,8 @@ async def test_impersonation_closes_the_connection_and_the_rank_is_lost() -> Non
         assert not any(isinstance(f, StartEpoch) for f in frames)
         _, alert = await h.sink.next_alert(rank_lost(0))
         assert "rank 0 sent a frame claiming rank 1" in alert.detail
-        assert h.machine.liveness.state(0) is RankState.DEAD
-        assert h.machine.liveness.state(1) is RankState.JOINING
+        assert h.machine.membership.liveness.state(0) is RankState.DEAD
+        assert h.machine.membership.liveness.state(1) is RankState.JOINING
         # rank 0 died while the run was forming: the run is over, and says why
         over = await asyncio.wait_for(h.server.wait(), WAIT_S)
         assert not over.ok
@@ -521,8 +521,8 @@ async def test_rank_sending_a_frame_it_may_not_send_is_disconnected(
         await r0.read_until_eof()
         _, alert = await h.sink.next_alert(rank_lost(0))
         assert reason in alert.detail
-        assert h.machine.liveness.state(0) is RankState.DEAD
-        assert h.machine.liveness.state(1) is RankState.ALIVE
+        assert h.machine.membership.liveness.state(0) is RankState.DEAD
+        assert h.machine.membership.liveness.state(1) is RankState.ALIVE
         assert h.sink.lost(1) == []
 
 
@@ -536,7 +536,7 @@ async def test_replayed_frame_fails_auth_and_the_rank_is_lost() -> None:
         await r0.read_until_eof()
         _, alert = await h.sink.next_alert(rank_lost(0))
         assert "bad frame" in alert.detail and "bad auth tag" in alert.detail
-        assert h.machine.liveness.state(0) is RankState.DEAD
+        assert h.machine.membership.liveness.state(0) is RankState.DEAD
 
 
 # ---------------------------------------------------------------------------------------------
@@ -560,8 +560,8 @@ async def test_slow_reader_is_disconnected_and_reported_lost() -> None:
             drop.path == "root/rank0" and "epoch_aggregated to rank 0: slow reader" in drop.detail
         )
         assert h.sink.alerts.index(drop) < h.sink.alerts.index(alert)
-        assert h.machine.liveness.state(0) is RankState.DEAD
-        assert h.machine.liveness.state(1) is RankState.ALIVE
+        assert h.machine.membership.liveness.state(0) is RankState.DEAD
+        assert h.machine.membership.liveness.state(1) is RankState.ALIVE
         assert h.sink.lost(1) == []
         # the connection ends: after what was queued before the cut (a close that flushes),
         # or inside a frame or with a reset (an abort)
@@ -633,12 +633,12 @@ async def test_silent_rank_is_declared_dead_after_the_heartbeat_timeout() -> Non
             dead_at, alert = await h.sink.next_alert(rank_lost(0), within=3.0)
             assert "heartbeat timeout" in alert.detail
             assert 0.49 <= dead_at - joined_at < 1.5, dead_at - joined_at
-            assert h.machine.liveness.state(0) is RankState.DEAD
+            assert h.machine.membership.liveness.state(0) is RankState.DEAD
             await r0.read_until_eof()  # the server closed the dead rank's connection
             # rank 1 outlives the timeout by more than the timeout
             with pytest.raises(TimeoutError):
                 await h.sink.next_alert(rank_lost(1), within=0.7)
-            assert h.machine.liveness.state(1) is RankState.ALIVE
+            assert h.machine.membership.liveness.state(1) is RankState.ALIVE
         finally:
             beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -655,8 +655,8 @@ async def test_child_exited_threadsafe_marks_the_rank_dead() -> None:
         assert not thread.is_alive()
         _, alert = await h.sink.next_alert(rank_lost(0))
         assert "process exited with code 7" in alert.detail
-        assert h.machine.liveness.state(0) is RankState.DEAD
-        assert h.machine.liveness.state(1) is RankState.ALIVE
+        assert h.machine.membership.liveness.state(0) is RankState.DEAD
+        assert h.machine.membership.liveness.state(1) is RankState.ALIVE
         await r0.read_until_eof()  # the dead rank's connection is closed
 
 
@@ -665,7 +665,7 @@ async def test_supervisor_reports_exits_and_may_send_nothing_else() -> None:
     async with serving() as h:
         supervisor, accept = await h.join(0, role="supervisor")
         assert accept.rank == 0
-        assert h.machine.liveness.state(0) is RankState.JOINING  # trains nothing
+        assert h.machine.membership.liveness.state(0) is RankState.JOINING  # trains nothing
         _, r1 = await h.form()
         await supervisor.send(RankExited(rank=1, exit_code=-9))
         _, alert = await h.sink.next_alert(rank_lost(1))
@@ -674,7 +674,7 @@ async def test_supervisor_reports_exits_and_may_send_nothing_else() -> None:
         await supervisor.send(Heartbeat(rank=0, step=0))
         await supervisor.read_until_eof()
         # a supervisor's connection is no rank's: losing it kills nobody
-        assert h.machine.liveness.state(0) is RankState.ALIVE
+        assert h.machine.membership.liveness.state(0) is RankState.ALIVE
         assert h.sink.lost(0) == []
 
 
@@ -692,7 +692,7 @@ async def test_reset_before_hello_is_handled_by_the_server() -> None:
         )
         assert len(done) == 1  # the doomed connection's task ended; rank 0's goes on
         assert h.loop_errors == [], [c.get("message") for c in h.loop_errors]
-        assert h.machine.liveness.state(0) is RankState.ALIVE
+        assert h.machine.membership.liveness.state(0) is RankState.ALIVE
 
 
 # ---------------------------------------------------------------------------------------------

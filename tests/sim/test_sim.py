@@ -135,8 +135,8 @@ def test_slow_epoch_fn_is_not_mistaken_for_slow_compute_and_runs_in_slack() -> N
     tr = sim.run()
     assert tr.ok
     assert tr.coverage_ok == [True] * 4
-    role = sim.coord.roles.epoch_callback_role
-    assert sim.coord.roles.cost("epoch_fn", role) == 2000.0
+    role = sim.coord.callbacks.roles.epoch_callback_role
+    assert sim.coord.callbacks.roles.cost("epoch_fn", role) == 2000.0
     speeds = sim.coord.elche.smoothed_ms
     # 2 s callbacks never enter the role rank's ms/batch
     assert max(speeds) / min(speeds) < 1.05

@@ -66,7 +66,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             if isinstance(e, RunOver):
                 self.run_over += 1
             if isinstance(e, RankDead):
-                assert self.coord.liveness.state(e.rank) is RankState.DEAD
+                assert self.coord.membership.liveness.state(e.rank) is RankState.DEAD
 
     @rule(rank=st.integers(0, W - 1), honest=st.booleans(), epoch=st.integers(0, 3))
     def batch(self, rank: int, honest: bool, epoch: int) -> None:
@@ -78,13 +78,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @rule(rank=st.integers(0, W - 1), any_cycle=st.booleans())
     def snapshot_and_ack(self, rank: int, any_cycle: bool) -> None:
         cycle = self.coord.cycle.number + (1 if any_cycle else 0)
-        session = self.coord.sessions.session
+        session = self.coord.membership.sessions.session
         self._feed(SnapshotReady(rank=rank, cycle=cycle, step=self.steps[rank]))
         self._feed(SyncAck(rank=rank, cycle=cycle, step=self.steps[rank], session=session))
 
     @rule(partial=st.booleans())
     def reduce_done(self, partial: bool) -> None:
-        alive = tuple(self.coord.liveness.alive())
+        alive = tuple(self.coord.membership.liveness.alive())
         ranks = alive[:1] if partial else alive
         self._feed(ReduceDone(self.coord.cycle.number, ranks, float(len(ranks))))
 
@@ -130,17 +130,17 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def ledgers_exact(self) -> None:
-        for epoch, work in self.coord.works.items():
+        for epoch, work in self.coord.dispatch.works.items():
             report = work.coverage_report()
             assert report.ok, (epoch, report)
 
     @invariant()
     def dead_ranks_hold_no_work(self) -> None:
         c = self.coord
-        for r in c.liveness.dead():
-            if r in c.deferred_forfeit:
+        for r in c.membership.liveness.dead():
+            if r in c.averaging.deferred_forfeit:
                 continue
-            for work in c.works.values():
+            for work in c.dispatch.works.values():
                 assert work.pending(r) == 0
 
     @invariant()

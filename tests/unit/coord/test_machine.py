@@ -23,6 +23,7 @@ from flodl.coord.effects import (
     EpochDone,
     OpenReduce,
     RankDead,
+    RankLeft,
     RefusePeer,
     Reply,
     RunOver,
@@ -35,6 +36,7 @@ from flodl.coord.liveness import RankState
 from flodl.coord.machine import Coordinator, RunPhase
 from flodl.coord.resume import META_SCHEMA_VERSION
 from flodl.wire.frames import (
+    PROTOCOL_VERSION,
     Accept,
     Batch,
     BundleSaved,
@@ -298,13 +300,13 @@ def test_hello_is_accepted_with_the_run_parameters() -> None:
         Reply(Accept(run_id="run", rank=0, world_size=2, session=0, heartbeat_timeout_s=30.0))
     ]
     assert coord.phase is RunPhase.FORMING
-    assert coord.liveness.state(0) is RankState.ALIVE
+    assert coord.membership.liveness.state(0) is RankState.ALIVE
 
 
 @pytest.mark.parametrize(
     ("frame", "needle"),
     [
-        (hello(0, protocol=2), "protocol 2 not supported"),
+        (hello(0, protocol=PROTOCOL_VERSION + 1), f"protocol {PROTOCOL_VERSION + 1} not supported"),
         (hello(0, run_id="other"), "run id 'other'"),
         (hello(0, world_size=3), "world size 3"),
         (hello(2), "rank 2 out of range"),
@@ -318,7 +320,7 @@ def test_hello_refusals_carry_a_reason(frame: Hello, needle: str) -> None:
     assert isinstance(reply, Reply) and isinstance(reply.frame, Reject)
     assert needle in reply.frame.reason
     assert refuse == RefusePeer(reply.frame.reason)
-    assert coord.liveness.joined_count() == 0
+    assert coord.membership.liveness.joined_count() == 0
     assert coord.handle(hello(0), 0.0)[0] == Reply(  # the real rank 0 can still join
         Accept(run_id="run", rank=0, world_size=2, heartbeat_timeout_s=30.0)
     )
@@ -336,7 +338,7 @@ def test_duplicate_rank_is_refused() -> None:
     coord.handle(hello(1, 3), 0.0)
     assert "duplicate rank" in refusal(coord.handle(hello(1, 3), 0.5))
     assert coord.phase is RunPhase.FORMING
-    assert coord.liveness.joined_count() == 1
+    assert coord.membership.liveness.joined_count() == 1
 
 
 def test_mismatched_model_signature_is_refused() -> None:
@@ -345,7 +347,7 @@ def test_mismatched_model_signature_is_refused() -> None:
     reason = refusal(coord.handle(hello(1, model_signature="b" * 64), 0.0))
     assert "model signature" in reason and "bbbbbbbbbbbb" in reason
     assert coord.phase is RunPhase.FORMING
-    assert coord.liveness.state(1) is RankState.JOINING
+    assert coord.membership.liveness.state(1) is RankState.JOINING
 
 
 def test_a_dead_rank_cannot_rejoin() -> None:
@@ -353,7 +355,7 @@ def test_a_dead_rank_cannot_rejoin() -> None:
     c.kill(1)
     reason = refusal(c.feed(hello(1)))
     assert "declared dead" in reason
-    assert c.coord.liveness.state(1) is RankState.DEAD
+    assert c.coord.membership.liveness.state(1) is RankState.DEAD
 
 
 @pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_sync", "cpu_async"])
@@ -428,7 +430,7 @@ def test_silent_rank_is_evicted_at_exactly_30s() -> None:
     assert "heartbeat timeout" in dead[0].reason and "30" in dead[0].reason
     assert Close(1, dead[0].reason) in effects
     assert [a.cls for a in of(effects, Alert)] == ["rank_lost"]
-    assert c.coord.liveness.alive() == [0]
+    assert c.coord.membership.liveness.alive() == [0]
 
 
 def test_tick_at_next_deadline_evicts_with_a_fractional_last_seen() -> None:
@@ -491,7 +493,7 @@ def test_child_exit_is_the_fast_death_path() -> None:
     c.clock.advance_to(0.25)
     effects = c.feed(ChildExited(1, -9))
     assert effects[0] == RankDead(1, "process exited with code -9")
-    assert c.coord.liveness.state(1) is RankState.DEAD
+    assert c.coord.membership.liveness.state(1) is RankState.DEAD
     assert c.feed(ChildExited(1, -9)) == []  # declared once
 
 
@@ -515,8 +517,9 @@ def test_exiting_during_shutdown_is_clean_and_a_late_peer_lost_changes_nothing()
     c = joined()
     c.run(until=lambda: c.coord.phase is RunPhase.SHUTDOWN)
     assert sends(c.trace, Shutdown) == [(0, Shutdown()), (1, Shutdown())]
-    assert c.feed(Exiting(rank=0)) == []
-    assert c.coord.liveness.state(0) is RankState.EXITED
+    # no death: an averaging round that waited for the rank's upload stops waiting for it
+    assert c.feed(Exiting(rank=0)) == [RankLeft(0)]
+    assert c.coord.membership.liveness.state(0) is RankState.EXITED
     assert c.feed(PeerLost(0, "eof")) == []
     assert c.feed(ChildExited(0, 0)) == []
     c.clock.advance_to(45.0)  # the exited rank is never stale; rank 1 is, and only rank 1
@@ -529,7 +532,7 @@ def test_clean_run_end_is_never_a_death() -> None:
     c.run(until=lambda: c.coord.phase is RunPhase.SHUTDOWN)
     c.feed(Exiting(rank=0))
     effects = c.feed(Exiting(rank=1))
-    assert effects == [RunOver(ok=True, reason="run complete", save_reason=None)]
+    assert effects == [RankLeft(1), RunOver(ok=True, reason="run complete", save_reason=None)]
     assert of(c.trace, RankDead) == []
     assert c.feed(PeerLost(1, "eof")) == []
     assert c.coord.done and c.coord.next_deadline() is None
@@ -735,7 +738,8 @@ def test_stall_ceiling_at_exactly_300s(mode: str) -> None:
     c.feed(Exiting(rank=0))
     over = c.feed(Exiting(rank=1))
     assert over == [
-        RunOver(ok=False, reason="run stopped: reduce_stall", save_reason="reduce_stall")
+        RankLeft(1),
+        RunOver(ok=False, reason="run stopped: reduce_stall", save_reason="reduce_stall"),
     ]
 
 
@@ -763,11 +767,12 @@ def test_max_failure_absolute_broadcasts_one_shutdown_with_save() -> None:
     assert len(sends(c.trace, ShutdownWithSave)) == 2
     over = c.feed(Exiting(rank=0))
     assert over == [
+        RankLeft(0),
         RunOver(
             ok=False,
             reason="run stopped: max_failure_exceeded",
             save_reason="max_failure_exceeded",
-        )
+        ),
     ]
 
 
@@ -803,7 +808,7 @@ def test_batch_for_an_epoch_never_given_evicts_only_that_rank() -> None:
     dead = of(effects, RankDead)
     assert len(dead) == 1 and dead[0].rank == 0
     assert "protocol violation" in dead[0].reason and "epoch 5" in dead[0].reason
-    assert c.coord.liveness.alive() == [1, 2]
+    assert c.coord.membership.liveness.alive() == [1, 2]
     assert c.coord.in_flight(0) == 0  # its chunk went back to the pool
     assert of(c.feed(batch(1, 1)), RankDead) == []
 
@@ -823,7 +828,7 @@ def test_frames_from_dead_or_unknown_ranks_change_nothing() -> None:
     assert c.feed(Heartbeat(rank=1, step=3)) == []
     assert c.feed(Heartbeat(rank=7, step=3)) == []
     assert c.feed(ChildExited(7, -9)) == []
-    assert c.coord.liveness.alive() == [0]
+    assert c.coord.membership.liveness.alive() == [0]
 
 
 # =============================================================================================
@@ -835,7 +840,7 @@ def test_frames_from_dead_or_unknown_ranks_change_nothing() -> None:
 def test_dead_rank_chunk_is_redispatched_to_a_survivor(mode: str) -> None:
     c = joined(mode, world_size=3, dataset_len=3200)  # 100 batches
     c.run(until=lambda: c.step[1] >= 3)
-    lost = c.coord.works[0].outstanding(1)[0]
+    lost = c.coord.dispatch.works[0].outstanding(1)[0]
     cut = len(c.trace)
     c.kill(1)
     c.run()
@@ -866,7 +871,7 @@ def test_death_inside_the_final_window_still_closes_the_epoch(mode: str) -> None
     c.run()
     coverage = c.coord.coverage(0)
     assert coverage is not None and coverage.committed == coverage.total, (
-        f"epoch wedged: {c.coord.works}, final plans {c.coord.final_plans}"
+        f"epoch wedged: {c.coord.dispatch.works}, final plans {c.coord.dispatch.final_plans}"
     )
     assert of(c.trace, RunOver) == [RunOver(ok=True, reason="run complete", save_reason=None)]
 

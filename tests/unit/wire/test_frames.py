@@ -187,6 +187,7 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
         world_size=4,
         session=3,
         heartbeat_timeout_s=30.5,
+        timeout_scale=0.25,
         data_port=40_001,
         store_port=40_002,
     ),
@@ -425,6 +426,7 @@ BAD: list[tuple[str, str, dict[str, Any]]] = [
     ("epoch_fn_elapsed-elapsed-inf", "epoch_fn_elapsed", {"elapsed_ms": INF}),
     ("accept-timeout-zero", "accept", {"heartbeat_timeout_s": 0.0}),
     ("accept-timeout-inf", "accept", {"heartbeat_timeout_s": INF}),
+    ("accept-scale-below-floor", "accept", {"timeout_scale": 0.001}),
     (
         "epoch_aggregated-share_complete-negative",
         "epoch_aggregated",

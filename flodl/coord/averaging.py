@@ -1,0 +1,333 @@
+"""Averaging: the cycle from trigger to finalize, what it commits, and what ElChe learns from it.
+
+Pure module (docs/design.md §2). One cycle at a time, on both backends:
+
+* **trigger** when the count gate opens: ``request_params`` (CPU; with ``throttle`` in CPU Sync)
+  or ``sync_now`` (collective) to every live rank, and — CPU — the reduce server opens the round;
+* **snapshot**: a rank entering the reduce reports ``snapshot_ready``; its done count per epoch
+  is what the cycle will commit (overwritten by its ``sync_ack``, which also closes its window);
+* **finalize** once every live expected rank acked and — CPU — the reduce server reported the
+  round (:class:`~flodl.coord.cycle.Cycle`). Contributors are the ranks that acked plus — CPU —
+  those the server folded in (a rank that died after its upload was folded still contributed),
+  or — collective — the members of the session the acks were made under;
+* **feedback**: ElChe gets the closed windows (compute-only speeds, the delivered-speed feed
+  where the mode grows its window); the convergence guard and the LR meta-controller judge the
+  divergence the ranks measured, through the verdict seam;
+* **release**: ``update`` (CPU; Cadence folds the rank's next chunk into it) and the new global
+  step.
+
+Commit rule ("trained exactly once"): a batch is committed when a cycle that folded in the
+rank's parameters finalizes; a rank that dies inside a pending cycle after snapshotting has its
+forfeit deferred to the finalize, which knows whether its window was folded in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flodl.config import CoordConfig
+from flodl.coord.cycle import Cycle, RankWindow, ranks_to_throttle
+from flodl.coord.dispatch import Dispatch
+from flodl.coord.effects import Alert, Effect, OpenReduce, Send
+from flodl.coord.elche import ElChe, WindowReport
+from flodl.coord.guards import ConvergenceGuard, DivergenceReport
+from flodl.coord.inputs import ReduceDone
+from flodl.coord.membership import Membership
+from flodl.coord.meta import MetaController
+from flodl.coord.metrics import WindowStats
+from flodl.coord.verdicts import ConvergenceAction, NudgeDown, Stable
+from flodl.wire.frames import (
+    Batch,
+    CoordFrame,
+    EpochPlan,
+    LrUpdate,
+    RequestParams,
+    SetGlobalStep,
+    SnapshotReady,
+    SyncAck,
+    SyncNow,
+    Throttle,
+    Update,
+)
+
+__all__ = ["Averaging"]
+
+
+class Averaging:
+    """The averaging cycles of one run.
+
+    Args:
+        config: the run's configuration.
+        membership: the roster.
+        elche: the cadence controller fed by every finished cycle.
+        dispatch: the ledger owner (commits, forfeits, the count gate).
+        cycle: the one cycle (shared with dispatch, which holds barrier-paced work while it is
+            pending).
+        windows: each rank's averaging window (shared with dispatch).
+        guard: the convergence guard.
+        meta_controller: the LR meta-controller, or ``None``.
+    """
+
+    def __init__(
+        self,
+        config: CoordConfig,
+        membership: Membership,
+        elche: ElChe,
+        dispatch: Dispatch,
+        cycle: Cycle,
+        windows: list[RankWindow],
+        guard: ConvergenceGuard,
+        meta_controller: MetaController | None,
+    ) -> None:
+        self.config = config
+        self.traits = config.elche.traits
+        self.membership = membership
+        self.elche = elche
+        self.dispatch = dispatch
+        self.cycle = cycle
+        self.windows = windows
+        self.guard = guard
+        self.meta_controller = meta_controller
+        self.throttled: set[int] = set()
+        self.deferred_forfeit: set[int] = set()
+        self._divergence: dict[int, tuple[float | None, float | None, float | None]] = {}
+        self.prev_sync_ms = 0.0
+        self.sync_rounds = 0
+        self.global_step = 0
+        self.last_lr: float | None = None
+        self.last_d_raw: float | None = None
+
+    # ------------------------------------------------------------------ rank frames
+    def on_batch(self, batch: Batch) -> None:
+        """A trained batch enters its rank's window."""
+        run = self.windows[batch.rank]
+        run.step = max(run.step, batch.step)
+        run.window.add(batch.batch_ms, batch.data_ms, batch.loss, self.config.batch_size)
+
+    def throttle_leaders(self, out: list[Effect]) -> None:
+        """CPU lead limit (``max_batch_diff``): O(W) per batch, paid only when configured."""
+        limit = self.config.elche.max_batch_diff
+        if limit is None or not self.traits.cpu_averaging or self.cycle.pending:
+            return
+        for r in ranks_to_throttle(
+            alive=self.membership.alive(),
+            window_steps=[w.window.steps for w in self.windows],
+            max_batch_diff=limit,
+            already=self.throttled,
+        ):
+            self.throttled.add(r)
+            out.append(Send(r, Throttle()))
+
+    def on_lr(self, frame: LrUpdate) -> None:
+        """The LR the meta-controller watches: the lowest live rank's."""
+        if self.last_lr is None or frame.rank == min(self.membership.alive()):
+            self.last_lr = frame.lr
+
+    def on_snapshot(self, frame: SnapshotReady) -> None:
+        if self.cycle.pending and frame.cycle == self.cycle.number:
+            run = self.windows[frame.rank]
+            run.snapshot = self.dispatch.snapshot(frame.rank)
+            run.snapshot_cycle = frame.cycle
+
+    def on_ack(self, ack: SyncAck) -> bool:
+        """A rank finished its part of the pending cycle; True once the cycle may finalize."""
+        if not self.cycle.pending or ack.cycle != self.cycle.number:
+            return False
+        run = self.windows[ack.rank]
+        run.snapshot = self.dispatch.snapshot(ack.rank)
+        run.snapshot_cycle = ack.cycle
+        run.ack_session = ack.session
+        run.closed_window = run.window
+        run.window = WindowStats()
+        self.dispatch.refresh(ack.rank)
+        self._divergence[ack.rank] = (ack.divergence, ack.pre_norm, ack.post_norm)
+        return self.cycle.ack(ack.rank, ack.step) and self.cycle.ready()
+
+    def on_reduce_done(self, event: ReduceDone) -> bool:
+        """The CPU reduce server folded the round; True once the cycle may finalize."""
+        if not self.cycle.pending or event.cycle != self.cycle.number:
+            return False
+        self.cycle.mark_reduce_done(event.contributors, event.weight_total)
+        return self.cycle.ready()
+
+    # ------------------------------------------------------------------ trigger
+    def open_initial_round(self, out: list[Effect]) -> None:
+        """CPU: round 0 is the initial broadcast (every rank uploads, the lowest live rank's
+        state is what everyone receives)."""
+        if self.traits.cpu_averaging:
+            out.append(OpenReduce(0, tuple(self.membership.alive())))
+
+    def maybe_trigger(self, now: float, out: list[Effect]) -> None:
+        """Start a cycle if none is pending and the count gate is open (never on a clock)."""
+        if self.cycle.pending or not self.dispatch.gate_open():
+            return
+        alive = self.membership.alive()
+        number = self.cycle.begin(alive, now)
+        self.throttled.clear()
+        self._divergence = {}
+        if self.traits.cpu_averaging:
+            out.append(OpenReduce(number, tuple(alive)))
+            request: CoordFrame = RequestParams(cycle=number)
+            for r in alive:
+                out.append(Send(r, request))
+                if self.traits.throttle_at_trigger:
+                    out.append(Send(r, Throttle()))
+        else:
+            sync: CoordFrame = SyncNow(cycle=number)
+            for r in alive:
+                out.append(Send(r, sync))
+
+    # ------------------------------------------------------------------ deaths
+    def on_death(self, rank: int) -> bool:
+        """A rank died: never wait for it. True when its forfeit must wait for the finalize
+        (it snapshotted inside the pending cycle)."""
+        if self.cycle.pending:
+            self.cycle.drop(rank)
+            if self.windows[rank].snapshot_cycle == self.cycle.number:
+                self.deferred_forfeit.add(rank)
+                return True
+        return False
+
+    def forget_snapshot(self, rank: int) -> None:
+        self.windows[rank].snapshot = None
+
+    # ------------------------------------------------------------------ finalize
+    def sync_ms(self, now: float) -> float:
+        """The pending cycle's duration so far, ms."""
+        return max(0.0, (now - self.cycle.pending_since_at) * 1000.0)
+
+    def contributors(self) -> set[int]:
+        acked = set(self.cycle.acked)
+        if self.traits.cpu_averaging and self.cycle.contributors is not None:
+            return acked | set(self.cycle.contributors)
+        sessions = {self.windows[r].ack_session for r in acked}
+        if sessions == {self.membership.sessions.session}:
+            return acked | set(self.membership.sessions.members)
+        return acked
+
+    def commit(self, out: list[Effect], *, redistribute: bool) -> None:
+        """Commit every contributor's snapshot; settle the forfeits deferred to this cycle."""
+        number = self.cycle.number
+        for r in sorted(self.contributors()):
+            run = self.windows[r]
+            if run.snapshot_cycle == number and run.snapshot is not None:
+                self.dispatch.commit(r, run.snapshot)
+        for r in sorted(self.deferred_forfeit):
+            self.dispatch.forfeit(r, out, redistribute=redistribute)
+            self.forget_snapshot(r)
+        self.deferred_forfeit.clear()
+
+    def closed_windows(self) -> list[WindowStats]:
+        return [
+            w.closed_window if w.closed_window is not None else WindowStats() for w in self.windows
+        ]
+
+    def report_window(self, windows: Sequence[WindowStats]) -> bool:
+        """Feed ElChe the closed windows; True when this report calibrated it."""
+        was = self.elche.calibrated
+        self.elche.report_window(
+            _window_report(windows, self.membership.alive_mask(), self.prev_sync_ms),
+            delivered_capable=self.traits.adaptive_window,
+        )
+        return self.elche.calibrated and not was
+
+    def judge(self, steps: Sequence[int], out: list[Effect]) -> None:
+        """The guard's verdict on the closed windows, then the LR meta-controller's nudge,
+        through ElChe's verdict seam."""
+        action = self._guard_action(steps)
+        stable = isinstance(action, Stable)
+        if stable:
+            self.elche.apply_verdict(
+                Stable(relax_up=self.traits.overshoot and self.config.elche.relax_up)
+            )
+        else:
+            self.elche.apply_verdict(action)
+            if isinstance(action, NudgeDown):
+                out.append(
+                    Alert("drift", "root", f"guard nudged the anchor down ×{action.factor:g}")
+                )
+        self.dispatch.observe_verdict(stable)
+        if self.meta_controller is not None:
+            nudge = self.meta_controller.observe(
+                self.last_lr, self.elche.anchor, action, self.elche.phase
+            )
+            if nudge is not None:
+                self.elche.apply_verdict(nudge)
+
+    def _guard_action(self, steps: Sequence[int]) -> ConvergenceAction:
+        if not self.traits.adaptive_window:
+            return Stable()
+        deltas = []
+        pre_norms: list[float] = []
+        post: float | None = None
+        for r in sorted(self._divergence):
+            d, pre, post_norm = self._divergence[r]
+            if d is not None:
+                deltas.append(d)
+                if pre is not None:
+                    pre_norms.append(pre)
+                if post_norm is not None:
+                    post = post_norm
+        if not deltas:
+            return Stable()
+        report = DivergenceReport(
+            deltas=tuple(deltas),
+            pre_norms=tuple(pre_norms) if len(pre_norms) == len(deltas) else None,
+            post_norm=post,
+        )
+        self.last_d_raw = report.d_raw
+        return self.guard.report(report, sum(steps), max(steps, default=0))
+
+    def close(self, sync_ms: float, steps: Sequence[int]) -> None:
+        """Count the finished cycle: syncs, the global step, the closed windows."""
+        self.sync_rounds += 1
+        self.prev_sync_ms = sync_ms
+        self.global_step += sum(steps)
+        for r in self.membership.alive():
+            self.windows[r].closed_window = None
+
+    def release(self, number: int, out: list[Effect], fold_plans: dict[int, EpochPlan]) -> None:
+        """Tell live ranks the cycle is over: ``update`` (CPU; with the rank's next chunk
+        folded in where ``fold_plans`` has one) and the new global step."""
+        cpu = self.traits.cpu_averaging
+        # Frames are immutable: one instance serves every rank that gets the same content.
+        step: CoordFrame = SetGlobalStep(global_step=self.global_step)
+        bare: CoordFrame = Update(version=number, next_plan=None)
+        for r in self.membership.alive():
+            if cpu:
+                plan = fold_plans.get(r)
+                out.append(
+                    Send(r, bare if plan is None else Update(version=number, next_plan=plan))
+                )
+            out.append(Send(r, step))
+
+
+def _window_report(
+    windows: Sequence[WindowStats], alive: Sequence[bool], sync_ms: float
+) -> WindowReport:
+    delivered_ms: list[float] = []
+    delivered_batches: list[int] = []
+    fill_ms: list[float] = []
+    for w in windows:
+        if w.steps >= 2 and w.first_ms is not None:
+            marginal = w.compute_ms + w.data_ms - w.first_ms
+            per = marginal / (w.steps - 1)
+            delivered_ms.append(max(0.0, marginal))
+            delivered_batches.append(w.steps - 1)
+            fill_ms.append(max(0.0, w.first_ms - per))
+        else:
+            delivered_ms.append(0.0)
+            delivered_batches.append(0)
+            fill_ms.append(0.0)
+    coherent = all(
+        not a or w.steps == 0 or w.steps >= 2 for w, a in zip(windows, alive, strict=True)
+    )
+    return WindowReport(
+        wall_ms=[w.compute_ms for w in windows],
+        steps=[w.steps for w in windows],
+        delivered_ms=delivered_ms,
+        delivered_batches=delivered_batches,
+        fill_ms=fill_ms,
+        delivered_coherent=coherent,
+        sync_ms=sync_ms,
+    )

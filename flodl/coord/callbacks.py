@@ -1,0 +1,330 @@
+"""Callbacks and bundles: which rank runs ``epoch_fn``, eval and ``checkpoint_fn``, when, and
+how a failed one fails over; the bundle saves the meta commits (docs/design.md §6).
+
+Pure module. Rules:
+
+* **roles** (:class:`~flodl.coord.roles.Roles`): the fastest live rank, elected at the first
+  calibration and sticky, or a pinned rank; a role rank's death re-elects;
+* **epoch boundary**: the checkpoint (``checkpoint_every``, ``checkpoint_at_epoch``, or a
+  ``checkpoint_now`` intent) and the eval (``eval_every``, or an ``eval_now`` intent) of the
+  epoch that just ended are sent before the first ``start_epoch`` of the next, so the role rank
+  runs them in FIFO order; the last epoch gets the canonical final eval instead;
+* **checkpoint_fn failover**: a failed or dead writer hands the version to the next live rank
+  that has not tried it (lowest index first); exhausted → a ``checkpoint_failed`` alert;
+* **bundles**: every live rank writes its part (``save_consensus_model``), the target rank the
+  model file; the meta, computed at request time, is written only once the model file is on
+  disk (``WriteMeta``), so a meta always names a bundle that exists;
+* **callback slack**: when the next window is the epoch's last, the role ranks' quotas shrink
+  by their callbacks' cost (EWMA), so a callback runs in freed slack instead of stretching the
+  barrier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from flodl.config import CoordConfig
+from flodl.coord.effects import Alert, BundleRequested, Effect, EvalDone, Record, Send, WriteMeta
+from flodl.coord.elche import ElChe
+from flodl.coord.ledger import EpochWork
+from flodl.coord.membership import Membership
+from flodl.coord.roles import CheckpointRetry, Roles
+from flodl.wire.frames import (
+    BundleSaved,
+    Checkpoint,
+    CheckpointResult,
+    CoordFrame,
+    EvalBroadcast,
+    EvalResult,
+    ExecuteEval,
+    SaveConsensusModel,
+    SaveReason,
+    SetEpochCallbackRole,
+)
+
+__all__ = ["Callbacks"]
+
+MetaRecord = Callable[[SaveReason | str], dict[str, Any]]
+"""The checkpoint meta as of now (computed when a bundle is requested)."""
+
+
+class Callbacks:
+    """Roles, callback schedules and their failover, and bundle saves.
+
+    Args:
+        config: the run's configuration.
+        membership: the roster.
+        paths: each rank's record path (alerts name it).
+        meta_record: see :data:`MetaRecord`.
+    """
+
+    def __init__(
+        self,
+        config: CoordConfig,
+        membership: Membership,
+        paths: Sequence[str],
+        meta_record: MetaRecord,
+    ) -> None:
+        self.config = config
+        self.traits = config.elche.traits
+        self.membership = membership
+        self.paths = paths
+        self._meta_record = meta_record
+        self.roles = Roles(config.epoch_callback_policy)
+        self.intents: set[str] = set()
+        self.checkpoints: dict[int, CheckpointRetry] = {}
+        self.bundles: dict[int, tuple[CheckpointRetry, dict[str, Any], str]] = {}
+        """Requested bundles awaiting their model file: version → (writer failover, meta to
+        write once the ``.fdl`` is on disk, why it was saved)."""
+        self._bundle_seq = 0
+        self.final_eval_epoch: int | None = None
+
+    # ------------------------------------------------------------------ roles
+    def send_roles_if_dirty(self, out: list[Effect]) -> None:
+        if not self.roles.dirty:
+            return
+        self.roles.dirty = False
+        out.extend(
+            self.membership.broadcast(SetEpochCallbackRole(rank=self.roles.epoch_callback_role))
+        )
+
+    def elect(self, alive: Sequence[int], smoothed_ms: Sequence[float], out: list[Effect]) -> None:
+        """The first calibration: elect the fastest (``Fastest``)."""
+        why = self.roles.on_first_calibration(alive, smoothed_ms)
+        if why:
+            out.append(Record("root", "roles", {"roles": why}))
+
+    def on_death(self, rank: int, smoothed_ms: Sequence[float], out: list[Effect]) -> None:
+        """Move every role and every pending callback of a dead rank to a survivor."""
+        alive = self.membership.alive()
+        why = self.roles.on_death(rank, alive, smoothed_ms)
+        if why:
+            out.append(Record("root", "roles", {"roles": why}))
+        for _version, retry in sorted(self.checkpoints.items()):
+            if retry.target == rank:
+                self._retry_checkpoint(retry, f"rank {rank} died", out)
+        self.failover_bundles(rank, out, shutting_down=False)
+
+    def observe_epoch_fn(self, rank: int, elapsed_ms: float) -> None:
+        self.roles.observe_cost("epoch_fn", rank, elapsed_ms)
+
+    # ------------------------------------------------------------------ schedules
+    def checkpoint_due(self, epoch: int) -> bool:
+        c = self.config
+        every = c.checkpoint_every is not None and (epoch + 1) % c.checkpoint_every == 0
+        return every or c.checkpoint_at_epoch == epoch or "checkpoint_now" in self.intents
+
+    def eval_due(self, epoch: int) -> bool:
+        every = self.config.effective_eval_every
+        due = every is not None and (epoch + 1) % every == 0
+        return (due or "eval_now" in self.intents) and self.config.has_eval
+
+    def epoch_boundary(self, done: int, out: list[Effect]) -> None:
+        """Checkpoint and eval for the epoch that just ended (``done``)."""
+        self.maybe_checkpoint(done, out)
+        self.maybe_eval(done, out)
+
+    def maybe_checkpoint(self, epoch: int, out: list[Effect], *, bundle: bool = True) -> None:
+        if not self.checkpoint_due(epoch):
+            return
+        self.intents.discard("checkpoint_now")
+        target = self._checkpoint_target()
+        if target is None:
+            return
+        if self.config.has_checkpoint_fn:
+            retry = CheckpointRetry(version=epoch)
+            retry.first(target)
+            self.checkpoints[epoch] = retry
+            out.append(Send(target, Checkpoint(version=epoch, target_rank=target)))
+        if bundle:
+            self.request_bundle("graceful_shutdown", f"checkpoint after epoch {epoch}", out)
+
+    def maybe_eval(self, epoch: int, out: list[Effect], *, final: bool = False) -> bool:
+        """Send the eval of ``epoch`` to the eval role if it is due (or ``final``); True when
+        it was sent."""
+        if not (final or self.eval_due(epoch)):
+            return False
+        self.intents.discard("eval_now")
+        target = self.roles.eval_role
+        if not self.membership.is_alive(target):
+            return False
+        out.append(
+            Send(
+                target,
+                ExecuteEval(
+                    schedule_id=epoch,
+                    epoch=epoch,
+                    target_rank=target,
+                    adopt_consensus=self.traits.elastic_blend,
+                ),
+            )
+        )
+        return True
+
+    def start_final_eval(self, out: list[Effect]) -> bool:
+        """After the last epoch: the final eval, tagged ``total_epochs``; True when sent."""
+        final = self.config.total_epochs
+        if not (self.config.has_eval and self.maybe_eval(final, out, final=True)):
+            return False
+        self.final_eval_epoch = final
+        return True
+
+    def retry_final_eval(self, out: list[Effect]) -> bool:
+        """The eval role died during the final eval: send it to the new one; False when there
+        is none (the run then shuts down)."""
+        return self.final_eval_epoch is not None and self.maybe_eval(
+            self.final_eval_epoch, out, final=True
+        )
+
+    def _checkpoint_target(self) -> int | None:
+        target = self.roles.checkpoint_role
+        if self.membership.is_alive(target):
+            return target
+        alive = self.membership.alive()
+        return alive[0] if alive else None
+
+    # ------------------------------------------------------------------ results
+    def on_eval_result(self, res: EvalResult, out: list[Effect]) -> bool:
+        """An eval finished (or failed); True when it was the final eval."""
+        self.roles.observe_cost("eval", res.rank, res.elapsed_ms)
+        if res.error is None and res.metric is not None:
+            out.append(EvalDone(res.epoch, res.metric))
+            out.extend(self.membership.broadcast(EvalBroadcast(epoch=res.epoch, metric=res.metric)))
+        else:
+            out.append(Alert("eval_failed", self.paths[res.rank], f"eval {res.epoch}: {res.error}"))
+        return self.final_eval_epoch is not None and res.schedule_id == self.final_eval_epoch
+
+    def on_checkpoint_result(self, res: CheckpointResult, out: list[Effect]) -> None:
+        self.roles.observe_cost("checkpoint", res.rank, res.elapsed_ms)
+        retry = self.checkpoints.get(res.version)
+        if retry is None or retry.target != res.rank:
+            return
+        if res.error is None:
+            self.checkpoints.pop(res.version, None)
+            if self.roles.checkpoint_role != res.rank:
+                self.roles.checkpoint_role = res.rank
+            return
+        self._retry_checkpoint(retry, f"rank {res.rank}: {res.error}", out)
+
+    def _retry_checkpoint(self, retry: CheckpointRetry, why: str, out: list[Effect]) -> None:
+        nxt = retry.next_target(self.membership.alive())
+        if nxt is None:
+            self.checkpoints.pop(retry.version, None)
+            out.append(
+                Alert(
+                    "checkpoint_failed",
+                    "root",
+                    f"checkpoint {retry.version} failed on every live rank ({why})",
+                )
+            )
+            return
+        out.append(Send(nxt, Checkpoint(version=retry.version, target_rank=nxt)))
+
+    # ------------------------------------------------------------------ bundles
+    def request_bundle(self, reason: SaveReason, detail: str, out: list[Effect]) -> None:
+        """Ask every live rank for its part of a new bundle (the checkpoint role rank writes
+        the model); the meta, computed now, is written when the model file is on disk."""
+        if not self.config.save_bundles:
+            return
+        writer = self._checkpoint_target()
+        if writer is None:
+            out.append(Alert("checkpoint_failed", "root", f"no live rank to save ({detail})"))
+            return
+        version = self._bundle_seq
+        self._bundle_seq += 1
+        retry = CheckpointRetry(version=version)
+        retry.first(writer)
+        self.bundles[version] = (retry, self._meta_record(reason), detail)
+        out.append(BundleRequested(version))
+        out.extend(self.membership.broadcast(self._bundle_frame(version, writer)))
+
+    def _bundle_frame(self, version: int, writer: int) -> CoordFrame:
+        meta = self.bundles[version][1]
+        return SaveConsensusModel(
+            target_rank=writer,
+            version=version,
+            global_step=meta["global_step"],
+            sync_round=meta["sync_round"],
+            epoch=meta["epoch"],
+        )
+
+    def on_bundle_saved(self, res: BundleSaved, out: list[Effect], *, shutting_down: bool) -> None:
+        self.roles.observe_cost("checkpoint", res.rank, res.elapsed_ms)
+        pending = self.bundles.get(res.version)
+        if pending is None or pending[0].target != res.rank:
+            if res.error is not None:  # a rank's optimizer state: the bundle still commits
+                out.append(
+                    Alert(
+                        "checkpoint_failed",
+                        self.paths[res.rank],
+                        f"rank {res.rank} could not save its part of bundle {res.version}: "
+                        f"{res.error}",
+                    )
+                )
+            return
+        if res.model:  # the model file is on disk: the meta commits the bundle
+            del self.bundles[res.version]
+            out.append(WriteMeta(pending[1], pending[2], res.version))
+            if res.error is not None:
+                out.append(
+                    Alert(
+                        "checkpoint_failed",
+                        self.paths[res.rank],
+                        f"bundle {res.version}: rank {res.rank} wrote the model but not its "
+                        f"optimizer state: {res.error}",
+                    )
+                )
+            return
+        why = f"rank {res.rank}: {res.error or 'no model file written'}"
+        self._retry_bundle(res.version, why, out, shutting_down=shutting_down)
+
+    def failover_bundles(self, dead: int, out: list[Effect], *, shutting_down: bool) -> None:
+        for version in sorted(self.bundles):
+            if self.bundles[version][0].target == dead:
+                self._retry_bundle(version, f"rank {dead} died", out, shutting_down=shutting_down)
+
+    def _retry_bundle(
+        self, version: int, why: str, out: list[Effect], *, shutting_down: bool
+    ) -> None:
+        retry, _, detail = self.bundles[version]
+        nxt = None if shutting_down else retry.next_target(self.membership.alive())
+        if nxt is None:
+            del self.bundles[version]
+            out.append(
+                Alert(
+                    "checkpoint_failed",
+                    "root",
+                    f"bundle {version} ({detail}) not saved ({why}); the previous checkpoint "
+                    "stays the one to resume from",
+                )
+            )
+            return
+        out.append(Send(nxt, self._bundle_frame(version, nxt)))
+
+    # ------------------------------------------------------------------ slack
+    def stage_slack(self, elche: ElChe, work: EpochWork | None) -> None:
+        """Pre-shrink the role ranks' quotas when the next window is the epoch's last, so a
+        callback runs in freed slack instead of stretching the barrier."""
+        if not elche.calibrated or work is None:
+            return
+        if work.remaining() > elche.total_batches:
+            return
+        slack = [0.0] * self.config.world_size
+        epoch = work.epoch
+        roles = self.roles
+        if self.config.has_epoch_fn:
+            r = roles.epoch_callback_role
+            slack[r] += roles.cost("epoch_fn", r)
+        if self.config.has_checkpoint_fn and self.checkpoint_due(epoch):
+            r = roles.checkpoint_role
+            slack[r] += roles.cost("checkpoint", r)
+        if self.eval_due(epoch):
+            r = roles.eval_role
+            slack[r] += roles.cost("eval", r)
+        floor = max(0.05 * elche.anchor_wall_ms(), 100.0)
+        slack = [
+            s if s >= floor and self.membership.is_alive(r) else 0.0 for r, s in enumerate(slack)
+        ]
+        if any(slack):
+            elche.apply_callback_slack(slack)

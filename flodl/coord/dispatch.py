@@ -1,0 +1,418 @@
+"""Dispatch: epochs, the work each rank is handed, and the count gate over it.
+
+Pure module (docs/design.md §2, §5). One :class:`~flodl.coord.ledger.EpochWork` per open epoch
+is the source of truth for coverage; this module decides what goes into it:
+
+* **epochs** open in order; barrier-paced modes keep one open at a time, Async may open the next
+  one while the last chunks of the current are still in flight. Closing an epoch audits its
+  ledger (the coordinator raises a critical ``coverage`` alert if it broke);
+* **whole-epoch partitions** (Sync by default) are assigned when the epoch opens, in proportion
+  to measured speeds where the mode says so; a dead rank's uncommitted share is split among the
+  survivors (``extend_partition``);
+* **progressive chunks** (Cadence, Async) are handed one at a time: barrier-paced modes hold a
+  rank with work in flight or during a pending cycle, never cross a reduce barrier, and serve
+  the epoch's final window from a plan pinned per (epoch, cohort version); Async counts work
+  already handed out against the window budget plus its overshoot. A dead rank's uncommitted
+  chunk returns to the pool;
+* **the count gate** (:class:`~flodl.coord.gate.CountGate`): Sync needs one step per live rank,
+  progressive Cadence the rank's chunk done (one chunk is one window, and a final-window slot
+  may be one batch above the count), otherwise the rank's batch count; a quiesced rank always
+  counts as done.
+
+Choices: the Async overshoot is the 0.5.3 rule (3, +1 per Stable verdict up to
+``clamp(epoch_batches / 50, 3, 10)``, reset on any other verdict) unless ``max_overshoot`` is
+set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flodl.config import CoordConfig
+from flodl.coord.cycle import Cycle, RankWindow
+from flodl.coord.effects import Effect, Send
+from flodl.coord.elche import ElChe
+from flodl.coord.gate import CountGate
+from flodl.coord.ledger import BatchRange, CoverageReport, EpochWork, from_samples, to_samples
+from flodl.coord.membership import Membership
+from flodl.coord.partition import (
+    carve_ranges,
+    chunk_batches,
+    final_window_alloc,
+    partition_sizes,
+    split_among,
+)
+from flodl.coord.resume import ResumeState
+from flodl.errors import RemoteProtocolError
+from flodl.sampling import epoch_batches
+from flodl.wire.frames import Batch, EpochPlan, ExtendPartition, StartEpoch
+
+__all__ = ["Dispatch", "ClosedEpoch", "OVERSHOOT_INITIAL"]
+
+OVERSHOOT_INITIAL = 3
+"""The Async overshoot budget before any Stable verdict."""
+
+EpochOpened = Callable[[int, list[Effect]], None]
+"""Called when an epoch opens, before any of its work is sent (the callbacks of the epoch that
+just ended must reach the role rank first: FIFO on its control connection)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedEpoch:
+    """An epoch whose every batch was committed."""
+
+    epoch: int
+    coverage: CoverageReport
+    started_at: float
+
+
+class Dispatch:
+    """Who trains which batches.
+
+    Args:
+        config: the run's configuration.
+        membership: the roster (who is alive).
+        elche: the cadence controller (batch counts, speeds).
+        cycle: the averaging cycle (a pending cycle holds barrier-paced dispatch).
+        windows: each rank's averaging window (steps since the last trigger).
+        on_epoch_opened: see :data:`EpochOpened`.
+    """
+
+    def __init__(
+        self,
+        config: CoordConfig,
+        membership: Membership,
+        elche: ElChe,
+        cycle: Cycle,
+        windows: Sequence[RankWindow],
+        on_epoch_opened: EpochOpened,
+    ) -> None:
+        el = config.elche
+        self.config = config
+        self.traits = el.traits
+        self.progressive = config.progressive
+        self.membership = membership
+        self.elche = elche
+        self.cycle = cycle
+        self.windows = windows
+        self._on_epoch_opened = on_epoch_opened
+        self._bs = config.batch_size
+        self._barrier = self.traits.barrier_paced
+        self.works: dict[int, EpochWork] = {}
+        self.epoch_started_at: dict[int, float] = {}
+        self.final_plans: dict[int, tuple[int, list[int]]] = {}
+        self.next_epoch = 0
+        self.last_aggregated = -1
+        self.first_epoch = 0
+        """The first epoch this run opens (a resumed run skips the epochs the earlier one
+        closed, and their callbacks)."""
+        self.coverage_log: dict[int, CoverageReport] = {}
+        self.max_overshoot = el.max_overshoot if el.max_overshoot is not None else OVERSHOOT_INITIAL
+        self.gate = CountGate(config.world_size)
+        self._cohort_cache: tuple[list[int], list[bool], int] | None = None
+        self._cohort_version = 0
+        self._resume_epoch: int | None = None
+        self._resume_uncovered: list[BatchRange] | None = None
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def cohort_version(self) -> int:
+        """Bumped whenever ElChe's counts or the live set may have changed."""
+        return self._cohort_version
+
+    def in_flight(self, rank: int) -> int:
+        """Batches handed to ``rank`` and not yet trained, over every open epoch."""
+        works = self.works
+        if len(works) == 1:  # the common case (barrier-paced runs have one open epoch)
+            for w in works.values():
+                return w.in_flight(rank)
+        return sum(w.in_flight(rank) for w in works.values())
+
+    def coverage(self, epoch: int) -> CoverageReport | None:
+        """The coverage report of a finished epoch (checked when it closed), or of an open one."""
+        if epoch in self.works:
+            return self.works[epoch].coverage_report()
+        return self.coverage_log.get(epoch)
+
+    def first_unassigned(self) -> EpochWork | None:
+        """The lowest open epoch with unassigned work (epochs are opened in order, so the
+        dict's insertion order is ascending)."""
+        for w in self.works.values():
+            if w.remaining() > 0:
+                return w
+        return None
+
+    def current(self) -> EpochWork | None:
+        """The lowest open epoch."""
+        return self.works[min(self.works)] if self.works else None
+
+    def epoch_batches(self, epoch: int) -> int:
+        c = self.config
+        return epoch_batches(epoch, c.index_space, c.batch_size, c.epoch_splits)
+
+    def snapshot(self, rank: int) -> dict[int, int]:
+        """``rank``'s done count per open epoch (what a cycle it enters will commit)."""
+        return {e: w.done(rank) for e, w in self.works.items()}
+
+    def epochs_done(self) -> bool:
+        """No epoch is open and every epoch of the run was opened."""
+        return not self.works and self.next_epoch >= self.config.total_epochs
+
+    # ------------------------------------------------------------------ the count gate
+    def cohort(self) -> tuple[list[int], list[bool], int]:
+        """(counts ≥ 1 for live ranks and 0 for the dead, live mask, Σ counts), cached until
+        ElChe's counts or the membership change (reading them per dispatch would be O(W))."""
+        if self._cohort_cache is None:
+            alive = self.membership.alive_mask()
+            counts = [
+                max(1, c) if a else 0 for c, a in zip(self.elche.batch_counts, alive, strict=True)
+            ]
+            self._cohort_cache = (counts, alive, sum(counts))
+        return self._cohort_cache
+
+    def invalidate_cohort(self) -> None:
+        """ElChe's counts or the live set changed: drop the cache, recompute the gate."""
+        self._cohort_cache = None
+        self._cohort_version += 1
+        self.refresh_all()
+
+    def refresh(self, rank: int) -> None:
+        """Recompute ``rank``'s count-gate flags."""
+        live = self.membership.is_alive(rank)
+        if not live:
+            self.gate.set(rank, live=False, sat=False, moved=False)
+            return
+        steps = self.windows[rank].window.steps
+        quiesced = self.in_flight(rank) == 0
+        if self.traits.chunk_is_window and self.progressive:
+            # One chunk = one window (possibly a final-window slot above the count): the
+            # window is done when the chunk is, never in the middle of it.
+            sat = quiesced
+        else:
+            need = 1 if self.traits.one_step_gate else self.cohort()[0][rank]
+            sat = steps >= need or quiesced
+        self.gate.set(rank, live=True, sat=sat, moved=steps > 0)
+
+    def refresh_all(self) -> None:
+        self.gate.reset(self.membership.alive_count())
+        for r in self.membership.alive():
+            self.refresh(r)
+
+    def gate_open(self) -> bool:
+        """Whether the count gate says a cycle may start."""
+        return self.gate.open(self.membership.alive_count())
+
+    # ------------------------------------------------------------------ epochs
+    def open_epoch(self, epoch: int, now: float, out: list[Effect]) -> EpochWork:
+        """Open ``epoch`` (or return it if open): its ledger, then — whole-epoch partitions —
+        every rank's share."""
+        work = self.works.get(epoch)
+        if work is not None:
+            return work
+        uncovered = self._resume_uncovered if epoch == self._resume_epoch else None
+        work = EpochWork(
+            epoch, self.epoch_batches(epoch), self.config.world_size, uncovered=uncovered
+        )
+        self.works[epoch] = work
+        self.epoch_started_at[epoch] = now
+        self.next_epoch = max(self.next_epoch, epoch + 1)
+        self.elche.set_max_total_batches(max(1, work.total_batches))
+        self.invalidate_cohort()
+        self._on_epoch_opened(epoch, out)
+        if not self.progressive:
+            self._partition(work, out)
+        return work
+
+    def _partition(self, work: EpochWork, out: list[Effect]) -> None:
+        calibrated = self.elche.calibrated or self.elche.has_speed_hint()
+        sizes = partition_sizes(
+            work.remaining(),
+            self.config.world_size,
+            alive=self.membership.alive_mask(),
+            ms_per_batch=self.elche.smoothed_ms if calibrated else None,
+            ratios=self.config.elche.partition_ratios,
+            proportional=self.traits.speed_proportional and calibrated,
+        )
+        for rank, ranges in enumerate(carve_ranges(work.unassigned_ranges(), sizes)):
+            for rng in ranges:
+                work.assign(rank, rng)
+                plan = self.plan(work.epoch, rng, tail=True)  # a whole-epoch partition
+                out.append(Send(rank, StartEpoch(plan=plan)))
+            self.refresh(rank)
+
+    def plan(self, epoch: int, rng: BatchRange, *, tail: bool = False) -> EpochPlan:
+        offset, size = to_samples(rng, self._bs)
+        return EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size, epoch_tail=tail)
+
+    def pop_done_epoch(self) -> ClosedEpoch | None:
+        """Close the lowest open epoch if every batch of it is committed."""
+        if not self.works:
+            return None
+        first = min(self.works)
+        if not self.works[first].is_done():
+            return None
+        work = self.works.pop(first)
+        report = work.coverage_report()
+        self.coverage_log[first] = report
+        self.final_plans.pop(first, None)
+        self.last_aggregated = first
+        return ClosedEpoch(first, report, self.epoch_started_at.pop(first, 0.0))
+
+    # ------------------------------------------------------------------ progressive chunks
+    def dispatch(self, rank: int, now: float, out: list[Effect]) -> EpochPlan | None:
+        """Give ``rank`` its next progressive chunk if the pacing rules allow (``start_epoch``);
+        the plan is also returned."""
+        plan = self.take_chunk(rank, now, out)
+        if plan is not None:
+            out.append(Send(rank, StartEpoch(plan=plan)))
+        return plan
+
+    def dispatch_idle(self, now: float, out: list[Effect]) -> None:
+        """Progressive: a chunk for every live rank that holds none."""
+        if not self.progressive:
+            return
+        for r in self.membership.alive():
+            if self.in_flight(r) == 0:
+                self.dispatch(r, now, out)
+
+    def take_chunk(self, rank: int, now: float, out: list[Effect]) -> EpochPlan | None:
+        """Take ``rank``'s next progressive chunk from the ledger (not sent: the caller sends it,
+        alone or folded into an ``update``); None when the pacing rules hold it."""
+        if not self.membership.is_alive(rank):
+            return None
+        barrier = self._barrier
+        if barrier and (self.cycle.pending or self.in_flight(rank) > 0):
+            return None
+        # Work already handed out counts against the window budget: without this an Async
+        # rank would pile up a chunk per finalize and the overshoot bound would not hold.
+        steps = self.windows[rank].window.steps + self.in_flight(rank)
+        counts, _, sum_counts = self.cohort()
+        count = counts[rank]
+        overshoot = self.max_overshoot if self.traits.overshoot else 0
+        if steps >= count + overshoot:
+            return None
+        work = self.first_unassigned()
+        if work is None:
+            if barrier or self.next_epoch >= self.config.total_epochs:
+                return None
+            work = self.open_epoch(self.next_epoch, now, out)
+            if work.remaining() == 0:
+                return None
+        final_slot = self._final_slot(work, rank) if barrier else None
+        size = chunk_batches(
+            barrier_paced=barrier,
+            count=count,
+            steps_in_window=steps,
+            remaining=work.remaining(),
+            sum_counts=sum_counts,
+            final_slot=final_slot,
+            max_overshoot=overshoot,
+            calibrated=self.elche.calibrated or self.elche.has_speed_hint(),
+            world_size=self.config.world_size,
+            total_batches=work.total_batches,
+        )
+        if size <= 0:
+            return None
+        rng = work.take(rank, size)
+        if rng is None:
+            return None
+        self.refresh(rank)
+        if final_slot is not None:
+            self.final_plans[work.epoch][1][rank] = max(0, final_slot - rng.size)
+        return self.plan(work.epoch, rng, tail=work.remaining() == 0)
+
+    def _final_slot(self, work: EpochWork, rank: int) -> int | None:
+        counts, alive, sum_counts = self.cohort()
+        key = self._cohort_version
+        pinned = self.final_plans.get(work.epoch)
+        if pinned is None or pinned[0] != key:  # pinned once per (epoch, cohort version)
+            rem = work.remaining()
+            # final_window_due() without its O(W) sum (Σ counts is cached with the cohort)
+            if not 0 < rem < sum_counts + self.config.world_size:
+                return None
+            pinned = (key, final_window_alloc(rem, counts, alive))
+            self.final_plans[work.epoch] = pinned
+        return pinned[1][rank]
+
+    # ------------------------------------------------------------------ batches, commits, deaths
+    def on_batch(self, batch: Batch) -> None:
+        """A rank trained a batch of its oldest assigned range.
+
+        Raises:
+            RemoteProtocolError: the rank was given no work of that epoch (it is evicted).
+        """
+        rank = batch.rank
+        work = self.works.get(batch.epoch)
+        if work is None or work.in_flight(rank) == 0:
+            raise RemoteProtocolError(
+                f"rank {rank} trained a batch of epoch {batch.epoch} it was not given", rank=rank
+            )
+        work.advance(rank)
+
+    def commit(self, rank: int, snapshot: dict[int, int]) -> None:
+        """Commit ``rank``'s work up to its snapshot (a finalized cycle folded it in)."""
+        for e, done in snapshot.items():
+            work = self.works.get(e)
+            if work is not None:
+                work.commit_upto(rank, min(done, work.done(rank)))
+
+    def forfeit(self, rank: int, out: list[Effect], *, redistribute: bool = True) -> None:
+        """Return the dead rank's uncommitted work: to the pool (progressive, or when the run
+        is shutting down), else split among survivors with ``extend_partition``."""
+        alive = self.membership.alive()
+        for epoch, work in sorted(self.works.items()):
+            returned = work.forfeit(rank)
+            if not returned or self.progressive or not alive or not redistribute:
+                continue
+            for survivor, piece in split_among(returned, alive):
+                work.assign(survivor, piece)
+                self.refresh(survivor)
+                offset, size = to_samples(piece, self._bs)
+                out.append(
+                    Send(
+                        survivor,
+                        ExtendPartition(epoch=epoch, partition_offset=offset, partition_size=size),
+                    )
+                )
+
+    def observe_verdict(self, stable: bool) -> None:
+        """The automatic Async overshoot: grows by one per Stable verdict, resets otherwise."""
+        if self.config.elche.max_overshoot is not None or not self.traits.overshoot:
+            return
+        if stable:
+            cap = min(10, max(3, self.epoch_batches(0) // 50))
+            self.max_overshoot = min(cap, self.max_overshoot + 1)
+        else:
+            self.max_overshoot = OVERSHOOT_INITIAL
+
+    # ------------------------------------------------------------------ meta and resume
+    def meta_epoch(self) -> int:
+        """The epoch a resume restarts at (the first open one, or the next to open)."""
+        epochs = sorted(self.works)
+        return epochs[0] if epochs else min(self.next_epoch, self.config.total_epochs)
+
+    def meta_coverage(self) -> list[dict[str, Any]]:
+        """The uncovered ranges of every open epoch, in samples (the meta's ``per_epoch``)."""
+        bs = self.config.batch_size
+        return [
+            {
+                "epoch": e,
+                "total_samples": self.works[e].total_batches * bs,
+                "uncovered_ranges": [
+                    list(to_samples(r, bs)) for r in self.works[e].uncovered_ranges()
+                ],
+            }
+            for e in sorted(self.works)
+        ]
+
+    def seed_resume(self, resume: ResumeState) -> None:
+        """Start at the interrupted epoch, training only its uncovered ranges."""
+        self.next_epoch = resume.epoch
+        self.first_epoch = resume.epoch
+        self.last_aggregated = resume.epoch - 1
+        if resume.uncovered is not None:
+            self._resume_epoch = resume.epoch
+            bs = self.config.batch_size
+            self._resume_uncovered = [from_samples(o, n, bs) for o, n in resume.uncovered]

@@ -1,0 +1,206 @@
+"""Membership: who is in the run, the handshake that admits a rank, and the collective session.
+
+Pure module (time is an argument; docs/design.md §2). It owns the roster and its transitions,
+and nothing else in the coordinator keeps its own copy of it:
+
+* **admission**: a ``hello`` is refused, with the rule that refuses it in words, for another
+  protocol, run id or world size, a rank out of range, a duplicate, a rank declared dead, a rank
+  that finished, a run past formation, or a model signature unlike the first rank's;
+* **liveness** (:class:`~flodl.coord.liveness.Liveness`): joining → alive → dead or exited;
+* **the collective session** (:class:`~flodl.coord.cycle.Sessions`): collective modes re-form
+  the group among the survivors after every death, renumbering them by ascending global rank;
+* **recovery**: the ranks declared dead since the last finalized cycle (the ``recovered``
+  record).
+
+Membership only shrinks: a rank declared dead cannot rejoin (docs/design.md §2).
+"""
+
+from __future__ import annotations
+
+from flodl.config import MaxFailure
+from flodl.coord.cycle import Sessions
+from flodl.coord.effects import Effect, Send
+from flodl.coord.liveness import Liveness, RankState, unrecoverable_reason
+from flodl.timeouts import Timeouts
+from flodl.wire.frames import (
+    PROTOCOL_VERSION,
+    Accept,
+    CoordFrame,
+    DeclareDead,
+    Hello,
+    NewSession,
+    SaveReason,
+)
+
+__all__ = ["Membership"]
+
+
+class Membership:
+    """The roster of one run.
+
+    Args:
+        world_size: ranks the run forms with.
+        run_id: the run's id (a ``hello`` must name it).
+        timeouts: the run's deadlines (the liveness timeout; ``accept`` carries them).
+    """
+
+    def __init__(self, world_size: int, run_id: str, timeouts: Timeouts) -> None:
+        self.world_size = world_size
+        self.run_id = run_id
+        self.timeouts = timeouts
+        self.liveness = Liveness(world_size, timeouts.heartbeat_s)
+        self.sessions = Sessions(session=0, members=tuple(range(world_size)))
+        self.signature: str | None = None
+        self.devices: list[int | None] = [None] * world_size
+        self.unrecovered: list[int] = []
+        """Ranks declared dead since the last finalized cycle."""
+
+    # ------------------------------------------------------------------ queries
+    def in_range(self, rank: int) -> bool:
+        return 0 <= rank < self.world_size
+
+    def is_alive(self, rank: int) -> bool:
+        return self.liveness.is_alive(rank)
+
+    def alive(self) -> list[int]:
+        """Live ranks, ascending."""
+        return self.liveness.alive()
+
+    def alive_mask(self) -> list[bool]:
+        return self.liveness.alive_mask()
+
+    def alive_count(self) -> int:
+        return self.liveness.alive_count()
+
+    def state(self, rank: int) -> RankState:
+        return self.liveness.state(rank)
+
+    def joining(self) -> list[int]:
+        """Ranks that have not joined yet (formation)."""
+        return [r for r in range(self.world_size) if self.state(r) is RankState.JOINING]
+
+    def heartbeat_ages(self, now: float) -> list[float | None]:
+        """Seconds since each live rank's last frame (``None`` for dead or finished ranks)."""
+        return [
+            round(max(0.0, now - self.liveness.last_seen_at(r)), 3) if self.is_alive(r) else None
+            for r in range(self.world_size)
+        ]
+
+    # ------------------------------------------------------------------ admission
+    def refusal(self, hello: Hello, *, forming: bool) -> str | None:
+        """Why ``hello`` is refused, or None when it may join (``forming``: the run still
+        admits ranks)."""
+        if hello.protocol != PROTOCOL_VERSION:
+            return (
+                f"protocol {hello.protocol} not supported (coordinator speaks {PROTOCOL_VERSION})"
+            )
+        if hello.run_id != self.run_id:
+            return f"run id {hello.run_id!r} does not match this run ({self.run_id!r})"
+        if hello.world_size != self.world_size:
+            return f"world size {hello.world_size} does not match this run ({self.world_size})"
+        if hello.rank >= self.world_size:
+            return f"rank {hello.rank} out of range for world size {self.world_size}"
+        if hello.role == "supervisor":
+            return None
+        state = self.state(hello.rank)
+        if state is RankState.ALIVE:
+            return f"rank {hello.rank} is already connected (duplicate rank)"
+        if state is RankState.DEAD:
+            return f"rank {hello.rank} was declared dead; ranks cannot rejoin a run"
+        if state is RankState.EXITED:
+            return f"rank {hello.rank} already finished"
+        if not forming:
+            return "the run is no longer forming"
+        if self.signature is not None and hello.model_signature != self.signature:
+            return (
+                f"model signature {hello.model_signature[:12]}… differs from the first rank's "
+                f"{self.signature[:12]}… (a different model or dtype)"
+            )
+        return None
+
+    def accept(self, hello: Hello) -> Accept:
+        """The reply that admits ``hello`` (the shell adds the data and store ports)."""
+        return Accept(
+            run_id=self.run_id,
+            rank=hello.rank,
+            world_size=self.world_size,
+            session=self.sessions.session,
+            heartbeat_timeout_s=self.timeouts.heartbeat_s,
+            timeout_scale=self.timeouts.scale,
+        )
+
+    def join(self, hello: Hello, now: float) -> bool:
+        """Admit a rank that was not refused; True once every rank joined."""
+        if self.signature is None:
+            self.signature = hello.model_signature
+        self.liveness.join(hello.rank, now)
+        return self.liveness.joined_count() == self.world_size
+
+    # ------------------------------------------------------------------ transitions
+    def seen(self, rank: int, now: float) -> None:
+        self.liveness.seen(rank, now)
+
+    def mark_exited(self, rank: int) -> bool:
+        """A rank finished cleanly; False when it was not alive."""
+        return self.liveness.mark_exited(rank)
+
+    def declare_dead(self, rank: int, reason: str) -> bool:
+        """True on the alive (or joining) → dead transition, once."""
+        return self.liveness.declare_dead(rank, reason)
+
+    def record_death(self, rank: int) -> None:
+        """A death the survivors have to recover from (its ``recovered`` record is due)."""
+        self.unrecovered.append(rank)
+
+    def recovered(self) -> list[int]:
+        """The deaths recovered from by the cycle that just finalized (then forgotten)."""
+        ranks, self.unrecovered = self.unrecovered, []
+        return ranks
+
+    def unrecoverable(
+        self, *, max_failure: MaxFailure | None, needs_two: bool
+    ) -> tuple[SaveReason, str] | None:
+        """Whether the survivors must stop, with the reason (see
+        :func:`~flodl.coord.liveness.unrecoverable_reason`)."""
+        return unrecoverable_reason(
+            world_size=self.world_size,
+            dead=len(self.liveness.dead()),
+            alive=self.alive_count(),
+            needs_two=needs_two,
+            max_failure=max_failure,
+        )
+
+    def reform_session(self, dead: int, reason: str) -> list[Effect]:
+        """Collective modes: a new session among the survivors of ``dead``'s death; the
+        frames that tell every survivor."""
+        alive = self.alive()
+        session, members = self.sessions.reform(alive)
+        prefix = self.sessions.store_prefix(self.run_id)
+        out: list[Effect] = []
+        declared = DeclareDead(rank=dead, reason=reason)
+        for r in alive:
+            out.append(Send(r, declared))
+            out.append(
+                Send(
+                    r,
+                    NewSession(
+                        session=session,
+                        store_prefix=prefix,
+                        new_rank=self.sessions.new_rank(r),
+                        new_world_size=len(members),
+                        ranks=list(members),
+                    ),
+                )
+            )
+        return out
+
+    # ------------------------------------------------------------------ clocks
+    def stale(self, now: float) -> list[int]:
+        return self.liveness.stale(now)
+
+    def next_deadline(self) -> float | None:
+        return self.liveness.next_deadline()
+
+    def broadcast(self, frame: CoordFrame) -> list[Effect]:
+        """``frame`` to every live rank (one instance: frames are immutable)."""
+        return [Send(r, frame) for r in self.alive()]
