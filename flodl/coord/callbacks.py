@@ -14,9 +14,12 @@ Pure module. Rules:
 * **bundles**: every live rank writes its part (``save_consensus_model``), the target rank the
   model file; the meta, computed at request time, is written only once the model file is on
   disk (``WriteMeta``), so a meta always names a bundle that exists;
-* **callback slack**: when the next window is the epoch's last, the role ranks' quotas shrink
-  by their callbacks' cost (EWMA), so a callback runs in freed slack instead of stretching the
-  barrier.
+* **callback slack**: the epoch-boundary callbacks run on the role ranks when the epoch's
+  final reduce is done (they see the consensus), i.e. at the start of the next epoch's first
+  window; so when a cycle closes an epoch, the role ranks' quotas of that next window shrink by
+  their callbacks' cost (EWMA), and a callback runs in freed slack instead of stretching the
+  barrier. (The original shrank the epoch's *last* window, where no callback runs here:
+  docs/design.md §6.)
 """
 
 from __future__ import annotations
@@ -90,10 +93,12 @@ class Callbacks:
         )
 
     def elect(self, alive: Sequence[int], smoothed_ms: Sequence[float], out: list[Effect]) -> None:
-        """The first calibration: elect the fastest (``Fastest``)."""
+        """The first calibration: elect the fastest (``Fastest``) and tell the ranks at once,
+        so the epoch in progress already ends on the elected rank."""
         why = self.roles.on_first_calibration(alive, smoothed_ms)
         if why:
             out.append(Record("root", "roles", {"roles": why}))
+        self.send_roles_if_dirty(out)
 
     def on_death(self, rank: int, smoothed_ms: Sequence[float], out: list[Effect]) -> None:
         """Move every role and every pending callback of a dead rank to a survivor."""
@@ -304,11 +309,9 @@ class Callbacks:
 
     # ------------------------------------------------------------------ slack
     def stage_slack(self, elche: ElChe, work: EpochWork | None) -> None:
-        """Pre-shrink the role ranks' quotas when the next window is the epoch's last, so a
-        callback runs in freed slack instead of stretching the barrier."""
-        if not elche.calibrated or work is None:
-            return
-        if work.remaining() > elche.total_batches:
+        """Pre-shrink the role ranks' quotas of the window that opens the next epoch, when the
+        cycle finalizing now closes ``work``'s epoch: its callbacks run in that window."""
+        if not elche.calibrated or work is None or not work.is_done():
             return
         slack = [0.0] * self.config.world_size
         epoch = work.epoch

@@ -557,7 +557,8 @@ class ElChe:
 
     @property
     def pending_callback_slack_ms(self) -> list[float]:
-        """Slack staged for the next recompute (a copy; all zeros by default)."""
+        """The slack the current counts were shrunk by, undone by the next recompute (a copy;
+        all zeros by default)."""
         return list(self._pending_slack_ms)
 
     def has_speed_hint(self) -> bool:
@@ -689,15 +690,23 @@ class ElChe:
         self._pending_fill_ms = self._per_rank(fill_ms, "fill_ms")
 
     def apply_callback_slack(self, slack_ms: Sequence[float]) -> None:
-        """Stage per-rank callback wall time (ms) to absorb in the next recompute only.
+        """Shrink the counts of the coming window by per-rank callback wall time (ms).
 
-        Rank ``r``'s target drops by ``ceil(slack_ms[r] / ms[r])`` batches (never below 1), the
-        change bypasses the dead zone, and the vector is zeroed by that recompute.
+        Rank ``r``'s count drops now by ``ceil(slack_ms[r] / ms[r])`` batches (never below 1),
+        after whatever recompute the cycle's verdicts made, and the next recompute restores it
+        (bypassing the dead zone). Deviation: the original staged the slack for the next
+        recompute, where a verdict's own recompute could undo it (docs/design.md §4).
 
         Raises:
             LocalProtocolError: wrong length.
         """
-        self._pending_slack_ms = self._per_rank(slack_ms, "slack_ms")
+        slack = self._per_rank(slack_ms, "slack_ms")
+        for r, ms_slack in enumerate(slack):
+            ms = self._rings[r].mean()
+            if not self._alive[r] or ms_slack <= 0 or ms <= 0:
+                continue
+            self._batch_counts[r] = max(1, self._batch_counts[r] - math.ceil(ms_slack / ms))
+            self._pending_slack_ms[r] = ms_slack
 
     def mark_dead(self, rank: int) -> None:
         """Declare ``rank`` dead (final).
@@ -872,14 +881,11 @@ class ElChe:
             else:
                 ratio = min(slow_ms / ms, MAX_SPEED_RATIO)
                 target = max(1, _round_half_away(self._anchor * ratio))
-            slack = self._pending_slack_ms[r]
-            slack_batches = math.ceil(slack / ms) if slack > 0 and ms > 0 else 0
-            target = max(1, target - slack_batches)
             current = self._batch_counts[r]
             if (
                 abs(target - current) > DEAD_ZONE * current
                 or not self._calibrated
-                or slack_batches > 0
+                or self._pending_slack_ms[r] > 0  # a slack-shrunk count is always restored
             ):
                 if self._max_batch_diff is not None and self._calibrated:
                     m = self._max_batch_diff

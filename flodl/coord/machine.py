@@ -604,12 +604,13 @@ class Coordinator:
         # 2. ElChe feedback from the closed windows (the role ranks' callback slack first).
         windows = averaging.closed_windows()
         steps = [w.steps for w in windows]
-        self.callbacks.stage_slack(self.elche, self.dispatch.current())
         if averaging.report_window(windows):
             self.callbacks.elect(self.membership.alive(), self.elche.smoothed_ms, out)
-        # 3. Guard + meta-controller through the verdict seam.
+        # 3. Guard + meta-controller through the verdict seam; then the role ranks' callback
+        # slack shrinks the coming window's counts.
         old_anchor = self.elche.anchor
         averaging.judge(steps, out)
+        self.callbacks.stage_slack(self.elche, self.dispatch.current())
         self.dispatch.invalidate_cohort()
         # 4. Counters, global step, records.
         averaging.close(sync_ms, steps)

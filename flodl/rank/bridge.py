@@ -157,8 +157,9 @@ class RankBridge:
         secret: the run secret that authenticates every frame (at least 16 bytes).
         hello: the first frame of the connection; its ``rank`` is this rank.
         heartbeat_s: interval of the bridge's :class:`Heartbeat` frames (seconds).
-        liveness_timeout_s: silence from the coordinator after which it counts as lost, and the
-            longest wait for its handshake reply (seconds).
+        liveness_timeout_s: the longest wait for the handshake reply (seconds); from the
+            ``accept`` on, the coordinator's ``heartbeat_timeout_s`` is the silence after which
+            it counts as lost.
         connect_timeout_s: how long :meth:`start` keeps retrying (every
             :data:`CONNECT_RETRY_S`) while nothing listens yet, since ranks may start before
             their coordinator (seconds).
@@ -365,6 +366,15 @@ class RankBridge:
             return None
         return self._unwrap(item)
 
+    def set_hard_exit_grace(self, grace_s: float) -> None:
+        """Change the hard-exit grace (the rank derives it from the coordinator's deadlines
+        once ``accept`` arrived); ignored when hard exits are off."""
+        if not grace_s >= 0.0:
+            raise ConfigError(f"hard_exit_grace_s must be >= 0, got {grace_s!r}")
+        with self._state_lock:
+            if self._hard_exit_grace_s is not None:
+                self._hard_exit_grace_s = float(grace_s)
+
     def set_step(self, step: int) -> None:
         """Record the main thread's cumulative optimizer-step count for the next heartbeat.
 
@@ -473,6 +483,8 @@ class RankBridge:
             return
         self._fw = fw
         self._accept = accept
+        # from accept on, the coordinator's liveness timeout rules (docs/reliability.md)
+        self._liveness_timeout_s = accept.heartbeat_timeout_s
         self._last_seen_at = loop.time()
         self._reader_task = self._spawn(self._read_loop(fr), "reader")
         self._spawn(self._heartbeat_loop(), "heartbeat")

@@ -2,17 +2,19 @@
 
 The main thread owns torch and ``torch.distributed``; the bridge thread owns the control
 socket. The loop never awaits: between optimizer steps it drains the bridge's inbox and obeys
-the coordinator (DESIGN.md §2, STYLE.md §2.2):
+the coordinator (docs/design.md §2b). What a frame means, and what to do next, is the pure
+:class:`~flodl.rank.protocol.RankProtocol` (which the simulator drives too); this module
+executes its actions with torch:
 
 * ``start_epoch`` / ``extend_partition`` / a folded ``update.next_plan`` queue slices of the
-  shared permutation (identical on every process: :func:`flodl.coord.chunks.permutation`);
+  shared permutation (identical on every process: :func:`flodl.sampling.permutation`);
 * each step trains one batch (``train_step`` gives the loss; the framework does backward,
   ``max_grad_norm`` clipping, the optimizer step and the LR from ``scheduler_fn`` driven by the
   coordinator's global step) and reports a ``batch`` frame (compute ms, data ms, loss); a
   finished slice reports ``metrics``;
 * ``request_params`` (CPU) / ``sync_now`` (collective) make the rank take part in the averaging
   cycle at its next step boundary: ``snapshot_ready``, the weighted reduce (weight ``n^gamma``
-  for the ``n`` steps since the last cycle), the divergence numbers of flodl-spec.md §3.1 in
+  for the ``n`` steps since the last cycle), the divergence numbers (docs/design.md §2b) in
   ``sync_ack``; CPU Sync/Cadence then wait for ``update`` (Cadence's carries the next chunk),
   Async blends the consensus elastically (EASGD) and goes on;
 * a collective that fails because a peer died waits for ``new_session``, re-forms the group
@@ -29,7 +31,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,9 +44,21 @@ from flodl.errors import CollectiveFailed, CoordinatorLost, FlodlError, RunStopp
 from flodl.outer import OuterStep
 from flodl.rank.bridge import RankBridge
 from flodl.rank.collectives import divergence
+from flodl.rank.protocol import (
+    PeerDead,
+    RankProtocol,
+    Reduce,
+    Reform,
+    RunCheckpoint,
+    RunEpochFn,
+    RunEval,
+    SaveBundle,
+    Slice,
+    Stop,
+    Train,
+)
 from flodl.rank.snapshot import TrainedState, float_buffers, model_signature, write_death_record
 from flodl.rank.step import (
-    StepSums,
     TrainJob,
     fetch_batch,
     optimizer_step,
@@ -55,37 +69,15 @@ from flodl.sampling import epoch_slice, index_space, permutation
 from flodl.timeouts import Timeouts
 from flodl.wire.frames import (
     Accept,
-    Batch,
     BundleSaved,
-    Checkpoint,
     CheckpointResult,
     CoordFrame,
-    CoordHeartbeat,
-    DeclareDead,
-    EpochAggregated,
     EpochFnElapsed,
-    EpochPlan,
-    EvalBroadcast,
     EvalResult,
-    ExecuteEval,
     Exiting,
-    ExtendPartition,
     Hello,
     LrUpdate,
-    Metrics,
-    NewSession,
-    RequestParams,
     SaveConsensusModel,
-    SetEpochCallbackRole,
-    SetGlobalStep,
-    Shutdown,
-    ShutdownWithSave,
-    SnapshotReady,
-    StartEpoch,
-    SyncAck,
-    SyncNow,
-    Throttle,
-    Update,
 )
 
 __all__ = ["RankSpec", "RankLoop", "run_rank"]
@@ -122,33 +114,22 @@ class RankSpec:
     threads: int | None = None
 
 
-@dataclass
-class _Slice:
-    epoch: int
-    picks: list[int]
-    tail: bool
-    pos: int = 0
-
-
 class RankLoop:
+    """One rank's training: the protocol's actions executed with torch, the bridge and the
+    averaging backend. Built by :func:`run_rank`, or by a cooperative
+    :class:`~flodl.worker.Worker` that owns the loop."""
+
     def __init__(self, spec: RankSpec, job: TrainJob) -> None:
         self.spec = spec
         self.job = job
         self.el = job.elche
         self.device = torch.device(spec.device)
         self.space = index_space(len(job.dataset), job.augment)
-        self.queue: deque[_Slice] = deque()
-        self.perms: dict[int, list[int]] = {}
-        self.step = 0
-        self.window_steps = 0
-        self.global_step = 0
-        self.local_since_avg = 0
-        self.pending_reduce: int | None = None
-        self.waiting_update = False
-        self.throttled = False
-        self.session = 0
-        self.deferred: deque[CoordFrame] = deque()
-        self.stats = StepSums()
+        self.protocol = RankProtocol(
+            spec.rank, job.batch_size, waits_for_update=self.el.traits.waits_for_update
+        )
+        self.timeouts = spec.timeouts
+        self._perm: tuple[int, list[int]] | None = None
         self.last_lr: float | None = None
         self.model: torch.nn.Module
         self.optim: torch.optim.Optimizer
@@ -157,10 +138,18 @@ class RankLoop:
         self.collective: Any = None
         self.consensus: list[torch.Tensor] | None = None
         self.outer: OuterStep | None = None
-        self.epoch_role: int | None = None
-        self.last_eval: tuple[int, float] | None = None
         self._timing = (0.0, 0.0)
         self.chaos: RankChaos | None = None
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps this rank took."""
+        return self.protocol.step
+
+    @property
+    def last_eval(self) -> tuple[int, float] | None:
+        """The latest ``(epoch, metric)`` the coordinator broadcast."""
+        return self.protocol.last_eval
 
     # ------------------------------------------------------------------ setup
     def run(self) -> TrainedState:
@@ -171,9 +160,9 @@ class RankLoop:
             self.close()
 
     def _train(self, accept: Accept) -> TrainedState:
-        self.begin(accept)
         job = self.job
         try:
+            self.begin(accept)
             for batch in self.batches():
                 scalars: dict[str, list[float]] = {}
                 loss = optimizer_step(job, self.model, self.optim, batch, scalars, self.step + 1)
@@ -185,7 +174,9 @@ class RankLoop:
         raise AssertionError("unreachable: batches() ends only by RunStopped")
 
     def start(self) -> Accept:
-        """Model, optimizer, restore, and the connection (the first half of :meth:`run`)."""
+        """Model, optimizer, restore, and the connection (the first half of :meth:`run`).
+
+        From the coordinator's ``accept`` on, the rank obeys the deadlines it sends."""
         spec, job = self.spec, self.job
         if spec.threads is not None:
             torch.set_num_threads(max(1, spec.threads))
@@ -217,6 +208,9 @@ class RankLoop:
             connect_timeout_s=spec.timeouts.connect_s,
         )
         accept = self.bridge.start()
+        self.timeouts = Timeouts(accept.heartbeat_timeout_s, accept.timeout_scale)
+        self.bridge.set_hard_exit_grace(self.timeouts.hard_exit_grace_s)
+        self.protocol.session = accept.session
         self.chaos = RankChaos.from_environ(spec.rank)
         if self.chaos is not None:
             bridge = self.bridge
@@ -235,34 +229,38 @@ class RankLoop:
     def begin(self, accept: Accept) -> None:
         """Wait for the cohort, connect the averaging backend, take rank 0's state."""
         # Training starts when every rank joined: the first frame after Accept says so (the
-        # coordinator opens the initial-broadcast round before sending it).
-        first = self._recv_blocking()
-        self.deferred.append(first)
+        # coordinator opens the initial-broadcast round before sending it). It is applied
+        # after the broadcast, as every later frame.
+        self.protocol.deferred.append(self._next_frame())
+        self.protocol.started = True
         self._connect_backend(accept)
         if self.chaos is not None:
             self.chaos.begin()
         self._initial_broadcast()
+        self.protocol.broadcasted()
 
     def batches(self) -> Iterator[list[torch.Tensor]]:
         """Obey the coordinator between steps and yield each batch to train (LR set); the
         consumer calls :meth:`after_step` before asking for the next. Ends by raising
-        :class:`RunStopped` when the coordinator ends the run."""
+        :class:`~flodl.errors.RunStopped` when the coordinator ends the run."""
+        protocol = self.protocol
         while True:
             self._drain()
-            if self.pending_reduce is not None:
-                self._reduce(self.pending_reduce)
-                continue
-            if self.waiting_update or self.throttled or not self._has_work():
-                self._handle(self._recv_blocking())
-                continue
-            head = self.queue[0]
-            bs = self.job.batch_size
-            t0 = time.perf_counter()
-            batch = fetch_batch(self.job, head.picks[head.pos : head.pos + bs], self.device)
-            t1 = time.perf_counter()
-            self._apply_lr()
-            self._timing = (t0, t1)
-            yield batch
+            match protocol.next_action():
+                case Reduce(cycle=cycle):
+                    self._reduce(cycle)
+                case Train(slice=head):
+                    bs = self.job.batch_size
+                    t0 = time.perf_counter()
+                    batch = fetch_batch(self.job, self._picks(head, bs), self.device)
+                    t1 = time.perf_counter()
+                    self._apply_lr()
+                    self._timing = (t0, t1)
+                    yield batch
+                case Stop(save_reason=reason):
+                    raise RunStopped(reason)
+                case _:  # Wait (Broadcast is done in begin())
+                    self._obey(self._next_frame())
 
     def _connect_backend(self, accept: Accept) -> None:
         spec = self.spec
@@ -281,7 +279,7 @@ class RankLoop:
                 spec.rank,
                 spec.world_size,
                 bf16_wire=self.el.bf16_wire,
-                timeout_s=spec.timeouts.data_io_s,
+                timeout_s=self.timeouts.data_io_s,
             )
             self.client.connect(spec.timeouts.connect_s)
         else:
@@ -296,9 +294,8 @@ class RankLoop:
                 spec.coord_host,
                 accept.store_port,
                 device=self.device,
-                timeout_s=spec.timeouts.collective_s,
+                timeout_s=self.timeouts.collective_s,
             )
-            self.session = accept.session
             self.collective.form(f"{spec.run_id}/s{accept.session}", spec.rank, spec.world_size)
 
     def _initial_broadcast(self) -> None:
@@ -333,84 +330,56 @@ class RankLoop:
             self._keep_consensus()
 
     # ------------------------------------------------------------------ control frames
-    def _recv_blocking(self) -> CoordFrame:
+    def _next_frame(self) -> CoordFrame:
+        """The next frame to apply: a deferred one first, else the bridge's (blocking)."""
         assert self.bridge is not None
-        if self.deferred:
-            return self.deferred.popleft()
+        if self.protocol.deferred:
+            return self.protocol.deferred.popleft()
         while True:
             frame = self.bridge.recv(timeout=1.0)
             if frame is not None:
                 return frame
 
     def _drain(self) -> None:
+        """Apply every frame that is waiting, without blocking."""
         assert self.bridge is not None
-        while self.deferred:
-            self._handle(self.deferred.popleft())
+        deferred = self.protocol.deferred
+        while deferred:
+            self._obey(deferred.popleft())
         while (frame := self.bridge.poll()) is not None:
-            self._handle(frame)
+            self._obey(frame)
 
-    def _handle(self, frame: CoordFrame) -> None:
-        match frame:
-            case StartEpoch(plan=plan):
-                self._enqueue(plan)
-                self.throttled = False
-            case ExtendPartition(epoch=e, partition_offset=off, partition_size=size):
-                self._enqueue(EpochPlan(epoch=e, partition_offset=off, partition_size=size))
-                self.throttled = False
-            case RequestParams(cycle=c) | SyncNow(cycle=c):
-                self.pending_reduce = c
-                self.throttled = False
-            case Update(next_plan=plan):
-                self.waiting_update = False
-                self.throttled = False
-                if plan is not None:
-                    self._enqueue(plan)
-            case Throttle():
-                self.throttled = True
-            case SetGlobalStep(global_step=g):
-                self.global_step = g
-                self.local_since_avg = 0
-            case NewSession(session=s, store_prefix=prefix, new_rank=nr, new_world_size=nw):
-                self._reform(s, prefix, nr, nw)
-            case DeclareDead(rank=r, reason=why):
-                logger.info("rank %d: peer %d declared dead (%s)", self.spec.rank, r, why)
-            case Shutdown():
-                raise RunStopped(None)
-            case ShutdownWithSave(reason=reason):
-                raise RunStopped(reason)
-            case ExecuteEval(schedule_id=sid, epoch=epoch):
-                self._run_eval(sid, epoch)
-            case Checkpoint(version=v):
-                self._run_checkpoint_fn(v)
-            case SaveConsensusModel():
-                self._save_bundle(frame)
-            case SetEpochCallbackRole(rank=r):
-                self.epoch_role = r
-            case EpochAggregated(metrics=m):
-                self._run_epoch_fn(m.epoch)
-            case EvalBroadcast(epoch=e, metric=v):
-                self.last_eval = (e, v)
-            case CoordHeartbeat():
-                pass
-            case _:
-                logger.debug("rank %d ignores %s", self.spec.rank, frame.kind)
+    def _obey(self, frame: CoordFrame) -> None:
+        """Apply one frame and run the work it asks for at once."""
+        for action in self.protocol.receive(frame):
+            match action:
+                case RunEval(schedule_id=sid, epoch=epoch):
+                    self._run_eval(sid, epoch)
+                case RunCheckpoint(version=v):
+                    self._run_checkpoint_fn(v)
+                case SaveBundle(frame=save):
+                    self._save_bundle(save)
+                case RunEpochFn(epoch=epoch):
+                    self._run_epoch_fn(epoch)
+                case Reform(store_prefix=prefix, new_rank=nr, new_world_size=nw):
+                    if self.collective is not None:
+                        self.collective.form(prefix, nr, nw)
+                case PeerDead(rank=r, reason=why):
+                    logger.info("rank %d: peer %d declared dead (%s)", self.spec.rank, r, why)
+                case Stop(save_reason=reason):
+                    raise RunStopped(reason)
 
     def _send(self, frame: Any) -> None:
         assert self.bridge is not None
         self.bridge.send(frame)
 
-    def _enqueue(self, plan: EpochPlan) -> None:
-        data_pass, start, _ = epoch_slice(plan.epoch, self.space, self.job.epoch_splits)
-        perm = self.perms.get(data_pass)
-        if perm is None:
-            self.perms = {data_pass: permutation(self.space, data_pass, self.job.seed)}
-            perm = self.perms[data_pass]
-        lo = start + plan.partition_offset
-        picks = perm[lo : lo + plan.partition_size]
-        self.queue.append(_Slice(plan.epoch, picks, plan.epoch_tail))
-
-    def _has_work(self) -> bool:
-        return bool(self.queue)
+    def _picks(self, head: Slice, bs: int) -> list[int]:
+        """The permutation picks of the next batch of ``head`` (one data pass cached)."""
+        data_pass, start, _ = epoch_slice(head.epoch, self.space, self.job.epoch_splits)
+        if self._perm is None or self._perm[0] != data_pass:
+            self._perm = (data_pass, permutation(self.space, data_pass, self.job.seed))
+        lo = start + head.offset + head.pos
+        return self._perm[1][lo : lo + bs]
 
     # ------------------------------------------------------------------ callbacks and saves
     @contextlib.contextmanager
@@ -436,7 +405,7 @@ class RankLoop:
 
     def _run_epoch_fn(self, epoch: int) -> None:
         fn = self.job.epoch_fn
-        if fn is None or self.epoch_role != self.spec.rank:
+        if fn is None:
             return
         self._chaos_callback()
         _, ms, _ = timed_callback(f"epoch_fn (epoch {epoch})", lambda: fn(epoch, self.model))
@@ -551,65 +520,23 @@ class RankLoop:
     # ------------------------------------------------------------------ training
     def after_step(self, loss_v: float, scalars: dict[str, list[float]]) -> None:
         """Account the step of the batch :meth:`batches` yielded last and report it."""
-        bs = self.job.batch_size
-        head = self.queue[0]
         t0, t1 = self._timing
         t2 = time.perf_counter()
-        self.step += 1
-        self.window_steps += 1
-        self.local_since_avg += 1
+        batch, metrics = self.protocol.trained(
+            (t2 - t1) * 1000.0, (t1 - t0) * 1000.0, loss_v, scalars
+        )
         assert self.bridge is not None
         self.bridge.set_step(self.step)
-        compute_ms, data_ms = (t2 - t1) * 1000.0, (t1 - t0) * 1000.0
-        self._send(
-            Batch(
-                rank=self.spec.rank,
-                epoch=head.epoch,
-                step=self.step,
-                batch_ms=compute_ms,
-                data_ms=data_ms,
-                loss=loss_v,
-            )
-        )
-        st = self.stats
-        st.batches += 1
-        st.loss_sum += loss_v
-        st.compute_ms += compute_ms
-        st.data_ms += data_ms
-        for k, (s, c) in scalars.items():
-            slot = st.scalars.setdefault(k, [0.0, 0.0])
-            slot[0] += s
-            slot[1] += c
-        head.pos += bs
-        if head.pos >= len(head.picks):
-            self.queue.popleft()
-            self._report_slice(head.epoch)
+        self._send(batch)
+        if metrics is not None:
+            self._send(metrics)
         if self.chaos is not None:
             self.chaos.on_step(self.step)
-
-    def _report_slice(self, epoch: int) -> None:
-        st, bs = self.stats, self.job.batch_size
-        busy = st.compute_ms + st.data_ms
-        self._send(
-            Metrics(
-                rank=self.spec.rank,
-                epoch=epoch,
-                avg_loss=st.loss_sum / max(1, st.batches),
-                batches_processed=st.batches,
-                samples_processed=st.batches * bs,
-                epoch_ms=busy,
-                share_complete_ms=busy,
-                compute_only_ms=st.compute_ms,
-                data_starve_ms=st.data_ms,
-                scalars={k: (v[0], int(v[1])) for k, v in sorted(st.scalars.items())[:256]},
-            )
-        )
-        self.stats = StepSums()
 
     def _apply_lr(self) -> None:
         if self.scheduler is None:
             return
-        lr = float(self.scheduler(self.global_step + self.local_since_avg)) * self.lr_scale
+        lr = float(self.scheduler(self.protocol.lr_step())) * self.lr_scale
         for group in self.optim.param_groups:
             group["lr"] = lr
         if lr != self.last_lr and math.isfinite(lr) and lr >= 0:
@@ -618,11 +545,10 @@ class RankLoop:
 
     # ------------------------------------------------------------------ averaging
     def _reduce(self, cycle: int) -> None:
-        self.pending_reduce = None
-        self._send(SnapshotReady(rank=self.spec.rank, cycle=cycle, step=self.step))
+        snapshot, n = self.protocol.begin_reduce(cycle)
+        self._send(snapshot)
         if self.chaos is not None:
             self.chaos.before_reduce()
-        n = self.window_steps
         weight = float(n) ** self.el.gamma if n > 0 else 0.0
         with torch.no_grad():
             pre = [p.detach().clone() for p in self.params]
@@ -646,19 +572,8 @@ class RankLoop:
                 self.optim.state = defaultdict(dict)  # DiLoCo: a fresh inner optimizer
             d, pre_norm, post_norm = divergence(pre, self.params)
         self._send(
-            SyncAck(
-                rank=self.spec.rank,
-                cycle=cycle,
-                step=self.step,
-                session=self.session,
-                divergence=d,
-                pre_norm=pre_norm,
-                post_norm=post_norm,
-            )
+            self.protocol.end_reduce(cycle, divergence=d, pre_norm=pre_norm, post_norm=post_norm)
         )
-        self.window_steps = 0
-        if self.client is not None and self.el.traits.waits_for_update:
-            self.waiting_update = True
 
     def _collective_reduce(self, weight: float, mover: bool, pre: list[torch.Tensor]) -> float:
         """The weighted all-reduce (redone after a re-formation); returns the total weight."""
@@ -678,27 +593,13 @@ class RankLoop:
                 self._await_session()
 
     def _await_session(self) -> None:
-        """Hold other frames until the coordinator re-forms the group without the dead."""
-        start = self.session
-        held: list[CoordFrame] = []
-        while self.session == start:
-            frame = self._recv_blocking()
-            if isinstance(frame, NewSession | SaveConsensusModel):
-                self._handle(frame)  # a save needs no collective: never hold it back
-            elif isinstance(frame, Shutdown | ShutdownWithSave):
-                self.deferred.extendleft(reversed(held))
-                self._handle(frame)
-            else:
-                held.append(frame)
-        self.deferred.extendleft(reversed(held))
+        """Hold other frames until the coordinator re-forms the group without the dead (a
+        save and a stop are applied at once)."""
+        protocol = self.protocol
+        protocol.collective_failed()
+        while protocol.awaiting_session:
+            self._obey(self._next_frame())
 
-    def _reform(self, session: int, prefix: str, new_rank: int, new_world: int) -> None:
-        if self.collective is None:
-            return
-        self.session = session
-        self.collective.form(prefix, new_rank, new_world)
-
-    # ------------------------------------------------------------------ teardown
     def _finish(self, save_reason: str | None) -> TrainedState:
         state = TrainedState.of(self.model, save_reason)
         if self.consensus is not None:  # EASGD: the run's result is the consensus

@@ -26,6 +26,7 @@ from flodl.config import ElCheConfig
 from flodl.data import BatchDataset
 from flodl.errors import CheckpointError, FlodlError
 from flodl.outer import OuterConfig, OuterStep
+from flodl.rank.protocol import StepSums
 from flodl.rank.snapshot import model_signature
 from flodl.sampling import SHUFFLE_BASE_SEED, pick_to_sample
 
@@ -122,17 +123,6 @@ class TrainJob:
             or self.checkpoint_fn is not None
             or self.elche.traits.elastic_blend
         )
-
-
-@dataclass
-class StepSums:
-    """Sums over a run of steps (a slice on a rank, an epoch on one device)."""
-
-    batches: int = 0
-    loss_sum: float = 0.0
-    compute_ms: float = 0.0
-    data_ms: float = 0.0
-    scalars: dict[str, list[float]] = field(default_factory=dict)
 
 
 def fetch_batch(job: TrainJob, picks: Sequence[int], device: torch.device) -> list[torch.Tensor]:

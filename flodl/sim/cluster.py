@@ -1,22 +1,27 @@
-"""A deterministic simulated cluster: fake ranks around the real pure coordinator.
+"""A deterministic simulated cluster: the production coordinator and rank protocol on a clock.
 
-Pure module: a virtual clock, one seeded ``random.Random``, a ``(time, seq)`` event heap, no
-threads, no sleeps (the FoundationDB style of STYLE.md §2.7). The real
-:class:`~flodl.coord.machine.Coordinator` makes every decision; simulated ranks only model what
-real ranks do with its frames:
+Pure module (docs/design.md §3): a virtual clock, one seeded ``random.Random``, a
+``(time, seq)`` event heap, no threads, no sleeps. Every decision is made by production code:
 
-* each rank trains its assigned slices batch by batch (``ms_per_batch × jitter``), sends a
-  ``batch`` frame per step and a ``metrics`` frame per finished slice, heartbeats every second;
-* on ``request_params`` / ``sync_now`` it enters the reduce at its next step boundary
-  (``snapshot_ready``); the CPU reduce completes when every expected live rank uploaded (the
-  simulated reduce server then reports :class:`~flodl.coord.inputs.ReduceDone`), the collective
-  when every member of the current session entered; then the rank acks (``sync_ack``);
-* CPU Sync/Cadence ranks wait for the ``update`` (Cadence gets its next chunk folded in);
-* failures: ``kill`` (the launcher reports the exit after ``detect_delay_s``) and ``hang``
-  (silence: only the heartbeat timeout notices).
+* the coordinator is the real :class:`~flodl.coord.machine.Coordinator`;
+* every rank is a real :class:`~flodl.rank.protocol.RankProtocol` (what each frame means,
+  what to do next, which frames it sends); the simulator only plays its executor: a batch takes
+  ``ms_per_batch × jitter`` of virtual time, a reduce ``reduce_ms``, an ``epoch_fn``
+  ``epoch_fn_ms``, and frames that arrive while the rank is busy wait in its inbox, as they do
+  in the bridge's;
+* the CPU reduce server is played with the real :class:`~flodl.coord.rounds.RoundBook`; a rank
+  waiting for a round longer than the data-plane timeout fails, as its reduce client does;
+* a collective completes when every member of the rank's session entered it; a member's death
+  fails it for the others (at once for a kill, after the collective timeout for a hang), who
+  then hold frames until ``new_session`` and redo it in the new group, as the runtime does;
+* the network keeps each connection's order (TCP does): a frame is never delivered before an
+  earlier one on the same connection, whatever delay is drawn for it.
 
-Same seed ⇒ identical trace (the effect log digest proves it). :meth:`SimCluster.run` checks
-the coordinator's invariants after every step and raises :class:`InvariantViolation`.
+Failures: ``kill`` (the launcher reports the exit after ``detect_delay_s``) and ``hang``
+(silence: only the heartbeat timeout notices). Same seed ⇒ identical trace (the effect log
+digest proves it). :meth:`SimCluster.run` checks the coordinator's invariants after every step
+and raises :class:`~flodl.errors.InvariantViolation`; a rank that fails without a fault
+injected into it is a violation too.
 """
 
 from __future__ import annotations
@@ -33,49 +38,43 @@ from typing import Any, Literal
 from flodl.config import CoordConfig, ElCheConfig, MaxFailure, validated
 from flodl.coord.cycle import should_average
 from flodl.coord.effects import (
-    Alert,
-    Close,
     Effect,
     EpochDone,
     OpenReduce,
     RankDead,
+    RankLeft,
     RunOver,
     Send,
-    WriteMeta,
 )
 from flodl.coord.inputs import ChildExited, ReduceDone
 from flodl.coord.liveness import RankState
 from flodl.coord.machine import Coordinator, RunPhase
+from flodl.coord.rounds import RoundBook
 from flodl.errors import InvariantViolation
-from flodl.timeouts import Timeouts
+from flodl.rank.protocol import (
+    Broadcast,
+    RankProtocol,
+    Reduce,
+    Reform,
+    RunEpochFn,
+    SaveBundle,
+    Stop,
+    Train,
+)
+from flodl.timeouts import HEARTBEAT_INTERVAL_S, Timeouts
 from flodl.wire.frames import (
-    Batch,
     BundleSaved,
-    DeclareDead,
+    CoordFrame,
+    CoordHeartbeat,
     EpochFnElapsed,
     EpochMetrics,
-    EpochPlan,
     Exiting,
-    ExtendPartition,
     Heartbeat,
     Hello,
-    Metrics,
-    NewSession,
     RankFrame,
-    RequestParams,
-    SaveConsensusModel,
-    SetEpochCallbackRole,
-    Shutdown,
-    ShutdownWithSave,
-    SnapshotReady,
-    StartEpoch,
-    SyncAck,
-    SyncNow,
-    Throttle,
-    Update,
 )
 
-__all__ = ["Failure", "SimCluster", "SimTrace", "InvariantViolation"]
+__all__ = ["Failure", "SimCluster", "SimTrace"]
 
 _SIGNATURE = "0" * 64
 
@@ -112,6 +111,9 @@ class SimTrace:
     epochs: list[EpochMetrics] = field(default_factory=list)
     coverage_ok: list[bool] = field(default_factory=list)
     deaths: list[tuple[float, int, str]] = field(default_factory=list)
+    rank_failures: list[tuple[float, int, str]] = field(default_factory=list)
+    """Ranks that failed on their own (a data-plane timeout, a refused upload): never
+    expected without a fault injected into them."""
     shutdowns_with_save: int = 0
     digest: str = ""
     steps: int = 0
@@ -135,35 +137,36 @@ class SimTrace:
         }
 
 
+Busy = Literal["batch", "reduce", "callback"]
+
+
 @dataclass(slots=True)
 class _SimRank:
     rank: int
     ms_per_batch: float
+    proto: RankProtocol
     alive: bool = True
     hung: bool = False
     exited: bool = False
-    queue: deque[list[int]] = field(default_factory=deque)  # [epoch, batches_left, tail]
-    step: int = 0
-    training: bool = False
-    reduce_wanted: int | None = None
-    in_reduce: int | None = None
-    waiting_update: bool = False
-    throttled: bool = False
-    slice_batches: int = 0
-    slice_loss: float = 0.0
-    slice_ms: float = 0.0
+    inbox: deque[CoordFrame] = field(default_factory=deque)
+    busy: Busy | None = None
+    reduce_cycle: int | None = None
+    """The cycle the rank is reducing (0: the initial broadcast), until it finishes."""
+    group: tuple[int, int] | None = None
+    """(cycle, session) of the collective the rank waits in."""
+    members: tuple[int, ...] = ()
     last_ms: float = 0.0
     busy_s: float = 0.0
     samples: int = 0
-    session: int = 0
-    members: tuple[int, ...] = ()
-    role: int = 0
-    last_epoch: int = -1  # last epoch whose epoch_fn ran on this rank
-    in_callback: bool = False
+    reduce_seq: int = 0
+
+    @property
+    def running(self) -> bool:
+        return self.alive and not self.hung and not self.exited
 
 
 class SimCluster:
-    """Drive the real coordinator with simulated ranks on a virtual clock.
+    """Drive the real coordinator and rank protocol with simulated ranks on a virtual clock.
 
     Args:
         world_size: number of ranks.
@@ -175,15 +178,17 @@ class SimCluster:
         failures: faults to inject.
         seed: seeds every random choice (jitter, network delay).
         jitter: relative half-width of per-batch time noise (0.05 = ±5 %).
-        net_delay_ms: one-way control-frame delay (uniform in [0.5×, 1.5×]).
+        net_delay_ms: one-way control-frame delay (uniform in [0.5×, 1.5×]; each connection
+            keeps its order).
         reduce_ms: duration of one parameter reduce (upload+sum+download).
         heartbeat_timeout_s: staleness threshold.
         heartbeat_s: rank heartbeat interval.
-        detect_delay_s: launcher child-exit report latency for kills.
+        detect_delay_s: launcher child-exit report latency for kills (and the time a
+            collective takes to fail on a killed peer's reset).
         max_failure: the run's failure budget.
         check_invariants: verify the invariants after every step (slower, for tests).
         epoch_fn_ms: wall time of ``epoch_fn`` on the epoch-callback role rank at every epoch
-            transition (0: no epoch_fn); it blocks that rank's training, as a real callback.
+            transition (0: no epoch_fn); it blocks that rank, as a real callback.
         elche: ElChe overrides applied to the mode's preset.
     """
 
@@ -202,7 +207,7 @@ class SimCluster:
         net_delay_ms: float = 0.2,
         reduce_ms: float = 5.0,
         heartbeat_timeout_s: float = 30.0,
-        heartbeat_s: float = 1.0,
+        heartbeat_s: float = HEARTBEAT_INTERVAL_S,
         detect_delay_s: float = 0.005,
         max_failure: MaxFailure | None = None,
         check_invariants: bool = True,
@@ -213,6 +218,7 @@ class SimCluster:
             raise ValueError(f"speeds has {len(speeds)} entries for world_size {world_size}")
         if any(not (s > 0 and math.isfinite(s)) for s in speeds):
             raise ValueError("every speed must be a finite ms/batch > 0")
+        self.timeouts = Timeouts(heartbeat_timeout_s)
         self.config = validated(
             CoordConfig,
             world_size=world_size,
@@ -220,16 +226,26 @@ class SimCluster:
             batch_size=batch_size,
             num_epochs=epochs,
             elche=ElCheConfig.preset(mode, **(elche or {})),
-            timeouts=Timeouts(heartbeat_timeout_s),
+            timeouts=self.timeouts,
             max_failure=max_failure,
             has_epoch_fn=epoch_fn_ms > 0,
         )
+        self.traits = self.config.elche.traits
         self.epoch_fn_s = epoch_fn_ms / 1000.0
         self.mode = mode
         self.rng = random.Random(seed)
         self.seed = seed
         self.coord = Coordinator(self.config, random.Random(seed))
-        self.ranks = [_SimRank(r, float(s)) for r, s in enumerate(speeds)]
+        waits = self.traits.waits_for_update
+        self.ranks = [
+            _SimRank(
+                r,
+                float(s),
+                RankProtocol(r, batch_size, waits_for_update=waits),
+                members=tuple(range(world_size)),
+            )
+            for r, s in enumerate(speeds)
+        ]
         self.jitter = jitter
         self.net_s = net_delay_ms / 1000.0
         self.reduce_s = reduce_ms / 1000.0
@@ -240,9 +256,10 @@ class SimCluster:
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         self._digest = hashlib.sha256()
-        self._uploads: dict[int, set[int]] = {}
-        self._expected: dict[int, set[int]] = {}
+        self._book = RoundBook(world_size)
         self._collective: dict[tuple[int, int], set[int]] = {}
+        self._channel_at: dict[tuple[str, int], float] = {}
+        self._faulted: set[int] = set()
         self._counts_version = -1
         self.trace = SimTrace(mode=mode, seed=seed, samples=[0] * world_size)
         self._failures = sorted(failures, key=lambda f: (f.at_s, f.rank))
@@ -254,27 +271,33 @@ class SimCluster:
         self._seq += 1
         heapq.heappush(self._heap, (at, self._seq, kind, payload))
 
-    def _delay(self) -> float:
-        return self.net_s * self.rng.uniform(0.5, 1.5)
+    def _delivery(self, channel: tuple[str, int]) -> float:
+        """When a frame sent now on ``channel`` arrives: a random delay, never before the
+        frame sent before it on the same connection."""
+        at = max(
+            self.now + self.net_s * self.rng.uniform(0.5, 1.5), self._channel_at.get(channel, 0.0)
+        )
+        self._channel_at[channel] = at
+        return at
 
-    def _to_coord(self, frame: RankFrame | ChildExited | ReduceDone, at: float) -> None:
-        self._push(at, "coord", frame)
+    def _to_coord(self, frame: RankFrame) -> None:
+        self._push(self._delivery(("up", frame.rank)), "coord", frame)
 
-    def _to_rank(self, rank: int, frame: Any, at: float) -> None:
-        self._push(at, "rank", (rank, frame))
+    def _to_rank(self, rank: int, frame: CoordFrame) -> None:
+        self._push(self._delivery(("down", rank)), "rank", (rank, frame))
 
     # ------------------------------------------------------------------ run
     def run(self, *, max_virtual_s: float = 1e7, max_events: int = 50_000_000) -> SimTrace:
         """Simulate until the coordinator says the run is over; returns the trace."""
-        for r in range(len(self.ranks)):
+        for r in self.ranks:
             hello = Hello(
                 run_id=self.config.run_id,
-                rank=r,
+                rank=r.rank,
                 world_size=len(self.ranks),
                 model_signature=_SIGNATURE,
             )
-            self._to_coord(hello, self._delay())
-            self._push(self.heartbeat_s, "heartbeat", r)
+            self._to_coord(hello)
+            self._push(self.heartbeat_s, "heartbeat", r.rank)
         events = 0
         while not self.coord.done:
             deadline = self.coord.next_deadline()
@@ -315,20 +338,29 @@ class SimCluster:
             self._apply(self.coord.handle(payload, self.now))
         elif kind == "rank":
             rank, frame = payload
-            self._rank_frame(self.ranks[rank], frame)
+            self._arrive(self.ranks[rank], frame)
         elif kind == "batch_done":
             self._batch_done(self.ranks[payload])
         elif kind == "heartbeat":
             r = self.ranks[payload]
-            if r.alive and not r.hung and not r.exited:
-                self._to_coord(Heartbeat(rank=r.rank, step=r.step), self.now + self._delay())
+            if r.running:  # the bridge beats even while the main thread is busy
+                self._to_coord(Heartbeat(rank=r.rank, step=r.proto.step))
                 self._push(self.now + self.heartbeat_s, "heartbeat", payload)
         elif kind == "fault":
             self._fault(payload)
         elif kind == "reduced":
-            self._reduce_complete(payload)
+            self._reduced(payload)
+        elif kind == "collective_failed":
+            self._collective_failed(payload)
+        elif kind == "reduce_timeout":
+            self._reduce_timeout(payload)
         elif kind == "callback_done":
             self._callback_done(self.ranks[payload[0]], payload[1])
+        elif kind == "launcher":
+            self._to_coord_input(payload)
+
+    def _to_coord_input(self, event: ReduceDone | ChildExited) -> None:
+        self._apply(self.coord.handle(event, self.now))
 
     # ------------------------------------------------------------------ coordinator effects
     def _apply(self, effects: list[Effect]) -> None:
@@ -338,25 +370,25 @@ class SimCluster:
             match e:
                 case Send(rank=rank, frame=frame):
                     r = self.ranks[rank]
-                    if r.alive and not r.exited:
-                        self._to_rank(rank, frame, self.now + self._delay())
+                    if r.alive and not r.exited and not isinstance(frame, CoordHeartbeat):
+                        self._to_rank(rank, frame)
                 case OpenReduce(cycle=cycle, ranks=ranks):
-                    self._expected[cycle] = set(ranks)
-                    self._uploads.setdefault(cycle, set())
-                    self._maybe_reduce_done(cycle)
+                    opened = self._book.open(cycle, ranks)
+                    for rank, why in opened.refused:
+                        self._rank_fails(self.ranks[rank], f"data connection cut: {why}")
+                    if opened.complete is not None:
+                        self._round_complete(cycle, opened.complete)
                 case RankDead(rank=rank, reason=reason):
                     self.trace.deaths.append((self.now, rank, reason))
-                    for cycle, expected in list(self._expected.items()):
-                        expected.discard(rank)
-                        self._maybe_reduce_done(cycle)
+                    self._leave_rounds(rank)
+                case RankLeft(rank=rank):
+                    self._leave_rounds(rank)
                 case EpochDone(metrics=m):
                     self.trace.epochs.append(m)
                     cov = self.coord.coverage(m.epoch)
                     self.trace.coverage_ok.append(cov is not None and cov.ok)
                 case RunOver(ok=ok, reason=reason, save_reason=save):
                     self.trace.ok, self.trace.reason, self.trace.save_reason = ok, reason, save
-                case WriteMeta() | Close() | Alert():
-                    pass
                 case _:
                     pass
         self.trace.cycles = self.coord.sync_rounds
@@ -371,198 +403,230 @@ class SimCluster:
             if not self.trace.batch_counts or self.trace.batch_counts[-1] != counts:
                 self.trace.batch_counts.append(counts)
 
-    # ------------------------------------------------------------------ simulated ranks
-    def _rank_frame(self, r: _SimRank, frame: Any) -> None:
-        if not r.alive or r.hung or r.exited:
+    def _leave_rounds(self, rank: int) -> None:
+        if self.traits.cpu_averaging:
+            for cycle, contributors in self._book.leave(rank):
+                self._round_complete(cycle, contributors)
+
+    # ------------------------------------------------------------------ the rank executor
+    def _arrive(self, r: _SimRank, frame: CoordFrame) -> None:
+        if not r.running:
             return
-        match frame:
-            case StartEpoch(plan=plan):
-                self._enqueue(r, plan)
-                r.throttled = False
-            case SetEpochCallbackRole(rank=role):
-                r.role = role
-            case ExtendPartition(epoch=epoch, partition_size=size):
-                r.queue.append([epoch, size // self.config.batch_size, 0])
-            case RequestParams(cycle=cycle) | SyncNow(cycle=cycle):
-                r.reduce_wanted = cycle
-                r.throttled = False
-            case Update(next_plan=plan):
-                r.waiting_update = False
-                r.throttled = False
-                if plan is not None:
-                    self._enqueue(r, plan)
-            case Throttle():
-                r.throttled = True
-            case DeclareDead():
-                pass
-            case SaveConsensusModel(target_rank=target, version=version):
-                saved = BundleSaved(rank=r.rank, version=version, model=target == r.rank)
-                self._to_coord(saved, self.now + self._delay())
-            case NewSession(session=session, ranks=members):
-                r.session = session
-                r.members = tuple(members)
-                if r.in_reduce is not None and not self.config.elche.traits.cpu_averaging:
-                    self._enter_collective(r, r.in_reduce)
-            case Shutdown() | ShutdownWithSave():
-                if isinstance(frame, ShutdownWithSave):
-                    self.trace.shutdowns_with_save += 1
-                r.exited = True
-                self._to_coord(Exiting(rank=r.rank), self.now + self._delay())
+        r.inbox.append(frame)
+        if r.busy is None:
+            self._step(r)
+
+    def _step(self, r: _SimRank) -> None:
+        """The rank's main thread at a step boundary: apply the frames waiting, one at a time
+        (callbacks run inline, as in the runtime), then do what the protocol says."""
+        proto = r.proto
+        while r.running and r.busy is None:
+            while r.inbox and r.busy is None and not self._redo_due(r):
+                for action in proto.receive(r.inbox.popleft()):
+                    self._immediate(r, action)
+                    if not r.running:
+                        return
+                if proto.deferred:  # frames held during a re-formation come back first
+                    r.inbox.extendleft(reversed(proto.deferred))
+                    proto.deferred.clear()
+            if not r.running or r.busy is not None:
                 return
+            if r.reduce_cycle is not None:
+                if self._redo_due(r):  # the collective is redone in the re-formed group
+                    self._enter_collective(r, r.reduce_cycle)
+                return  # else: waiting for new_session
+            match proto.next_action():
+                case Stop():
+                    self._exit(r)
+                    return
+                case Broadcast():
+                    self._begin_reduce(r, 0)
+                case Reduce(cycle=cycle):
+                    snapshot, _ = proto.begin_reduce(cycle)
+                    self._to_coord(snapshot)
+                    self._begin_reduce(r, cycle)
+                case Train():
+                    self._start_batch(r)
+                case _:  # Wait
+                    return
+
+    @staticmethod
+    def _redo_due(r: _SimRank) -> bool:
+        return r.reduce_cycle is not None and r.group is None and not r.proto.awaiting_session
+
+    def _immediate(self, r: _SimRank, action: object) -> None:
+        match action:
+            case Stop():
+                self._exit(r)
+            case SaveBundle(frame=save):
+                model = save.target_rank == r.rank
+                self._to_coord(BundleSaved(rank=r.rank, version=save.version, model=model))
+            case RunEpochFn(epoch=epoch) if self.epoch_fn_s > 0:
+                r.busy = "callback"
+                r.busy_s += self.epoch_fn_s
+                self._push(self.now + self.epoch_fn_s, "callback_done", (r.rank, epoch))
+            case Reform(ranks=members):
+                r.members = members
             case _:
                 pass
-        self._continue(r)
 
-    def _start_callback(self, r: _SimRank, epoch: int) -> None:
-        """``epoch_fn`` for the epoch that just ended: blocks training, then reports."""
-        r.in_callback = True
-        self._push(self.now + self.epoch_fn_s, "callback_done", (r.rank, epoch))
+    def _exit(self, r: _SimRank) -> None:
+        if r.exited:
+            return
+        stop = r.proto.stopped
+        if stop is not None and stop.save_reason is not None:
+            self.trace.shutdowns_with_save += 1
+        r.exited = True
+        self._to_coord(Exiting(rank=r.rank))
 
-    def _callback_done(self, r: _SimRank, epoch: int) -> None:
-        r.in_callback = False
-        if not r.alive or r.hung or r.exited:
-            return
-        frame = EpochFnElapsed(rank=r.rank, epoch=epoch, elapsed_ms=self.epoch_fn_s * 1000.0)
-        self._to_coord(frame, self.now + self._delay())
-        self._continue(r)
-
-    def _enqueue(self, r: _SimRank, plan: EpochPlan) -> None:
-        r.queue.append(
-            [plan.epoch, plan.partition_size // self.config.batch_size, int(plan.epoch_tail)]
-        )
-
-    def _continue(self, r: _SimRank) -> None:
-        """At a step boundary: reduce if asked, else train the next batch if allowed."""
-        if r.training or r.in_reduce is not None or not r.alive or r.hung or r.exited:
-            return
-        if r.in_callback:
-            return
-        if r.reduce_wanted is not None:
-            self._enter_reduce(r, r.reduce_wanted)
-            return
-        if r.waiting_update or r.throttled:
-            return
-        while r.queue and r.queue[0][1] <= 0:
-            r.queue.popleft()
-        if not r.queue:
-            return
+    def _start_batch(self, r: _SimRank) -> None:
         ms = r.ms_per_batch * self.rng.uniform(1 - self.jitter, 1 + self.jitter)
-        r.training = True
+        r.busy = "batch"
         r.busy_s += ms / 1000.0
-        r.slice_ms += ms
         r.last_ms = ms
         self._push(self.now + ms / 1000.0, "batch_done", r.rank)
 
     def _batch_done(self, r: _SimRank) -> None:
-        if not r.alive or r.hung or r.exited:
+        if not r.running:
             return
-        r.training = False
-        head = r.queue[0]
-        head[1] -= 1
-        r.step += 1
+        r.busy = None
+        loss = 1.0 / (1.0 + 0.01 * (r.proto.step + 1))
+        batch, metrics = r.proto.trained(r.last_ms, 0.0, loss)
         r.samples += self.config.batch_size
-        loss = 1.0 / (1.0 + 0.01 * r.step)
-        r.slice_batches += 1
-        r.slice_loss += loss
-        at = self.now + self._delay()
-        self._to_coord(
-            Batch(
-                rank=r.rank,
-                epoch=head[0],
-                step=r.step,
-                batch_ms=r.last_ms,
-                loss=loss,
-            ),
-            at,
-        )
-        if head[1] == 0:
-            r.queue.popleft()
-            self._to_coord(
-                Metrics(
-                    rank=r.rank,
-                    epoch=head[0],
-                    avg_loss=r.slice_loss / r.slice_batches,
-                    batches_processed=r.slice_batches,
-                    samples_processed=r.slice_batches * self.config.batch_size,
-                    epoch_ms=r.slice_ms,
-                    share_complete_ms=r.slice_ms,
-                    compute_only_ms=r.slice_ms,
-                ),
-                at,
-            )
-            r.slice_batches, r.slice_loss, r.slice_ms = 0, 0.0, 0.0
-            # epoch_fn runs on the role rank when it finishes the epoch's tail slice
-            if head[2] and r.rank == r.role and self.epoch_fn_s > 0 and head[0] > r.last_epoch:
-                r.last_epoch = head[0]
-                self._start_callback(r, head[0])
-                return
-        self._continue(r)
+        self._to_coord(batch)
+        if metrics is not None:
+            self._to_coord(metrics)
+        self._step(r)
 
-    def _enter_reduce(self, r: _SimRank, cycle: int) -> None:
-        r.reduce_wanted = None
-        r.in_reduce = cycle
-        self._to_coord(
-            SnapshotReady(rank=r.rank, cycle=cycle, step=r.step), self.now + self._delay()
-        )
-        if self.config.elche.traits.cpu_averaging:
-            self._uploads.setdefault(cycle, set()).add(r.rank)
-            self._maybe_reduce_done(cycle)
+    def _callback_done(self, r: _SimRank, epoch: int) -> None:
+        if not r.running:
+            return
+        r.busy = None
+        elapsed_ms = self.epoch_fn_s * 1000.0
+        self._to_coord(EpochFnElapsed(rank=r.rank, epoch=epoch, elapsed_ms=elapsed_ms))
+        self._step(r)
+
+    # ------------------------------------------------------------------ averaging
+    def _begin_reduce(self, r: _SimRank, cycle: int) -> None:
+        r.busy = "reduce"
+        r.reduce_cycle = cycle
+        r.reduce_seq += 1
+        if self.traits.cpu_averaging:
+            problem = self._book.problem(r.rank, cycle)
+            if problem is not None:
+                self._rank_fails(r, f"upload refused: {problem}")
+                return
+            self._push(self.now + self.timeouts.data_io_s, "reduce_timeout", (r.rank, r.reduce_seq))
+            contributors = self._book.upload(r.rank, cycle)
+            if contributors is not None:
+                self._round_complete(cycle, contributors)
         else:
             self._enter_collective(r, cycle)
 
-    def _maybe_reduce_done(self, cycle: int) -> None:
-        expected = self._expected.get(cycle)
-        uploads = self._uploads.get(cycle, set())
-        if expected is None or cycle == 0 or not expected or not expected <= uploads:
-            return
-        contributors = tuple(sorted(expected))
-        del self._expected[cycle]
-        self._to_coord(ReduceDone(cycle, contributors, float(len(contributors))), self.now)
-        self._push(self.now + self.reduce_s, "reduced", (cycle, contributors, 0))
+    def _round_complete(self, cycle: int, contributors: tuple[int, ...]) -> None:
+        """The reduce server folded a round: it reports to the coordinator at once and sends
+        the consensus to the contributors ``reduce_ms`` later."""
+        self._to_coord_input(ReduceDone(cycle, contributors, float(len(contributors))))
+        self._push(self.now + self.reduce_s, "reduced", (cycle, contributors, None))
 
     def _enter_collective(self, r: _SimRank, cycle: int) -> None:
-        members = r.members or tuple(range(len(self.ranks)))
-        key = (cycle, r.session)
+        r.busy = "reduce"
+        key = (cycle, r.proto.session)
+        r.group = key
+        gone = [self.ranks[m] for m in r.members if not self.ranks[m].running]
+        if gone:  # a member is dead, hung or gone: the collective fails on this rank too
+            self._push(self.now + self._fail_after(gone), "collective_failed", (r.rank, key))
+            return
         entered = self._collective.setdefault(key, set())
         entered.add(r.rank)
-        if set(members) <= entered:
+        if set(r.members) <= entered:
             del self._collective[key]
-            self._push(self.now + self.reduce_s, "reduced", (cycle, members, r.session))
+            self._push(self.now + self.reduce_s, "reduced", (cycle, r.members, key[1]))
 
-    def _reduce_complete(self, payload: tuple[int, tuple[int, ...], int]) -> None:
+    def _fail_after(self, gone: Sequence[_SimRank]) -> float:
+        """A reset from a dead or exited peer arrives at once; a hung one is noticed only by
+        the collective timeout."""
+        if all(m.hung and m.alive for m in gone):
+            return self.timeouts.collective_s
+        return self.detect_delay_s
+
+    def _collective_failed(self, payload: tuple[int, tuple[int, int]]) -> None:
+        rank, key = payload
+        r = self.ranks[rank]
+        if not r.running or r.group != key:
+            return
+        self._collective.get(key, set()).discard(rank)
+        r.group = None
+        r.busy = None
+        r.proto.collective_failed()
+        self._step(r)
+
+    def _reduced(self, payload: tuple[int, tuple[int, ...], int | None]) -> None:
         cycle, ranks, session = payload
         for rank in ranks:
             r = self.ranks[rank]
-            if not r.alive or r.hung or r.exited or r.in_reduce != cycle:
+            if not r.running or r.reduce_cycle != cycle:
                 continue
-            if not self.config.elche.traits.cpu_averaging and r.session != session:
+            if session is not None and r.group != (cycle, session):
                 continue
-            r.in_reduce = None
-            self._to_coord(
-                SyncAck(rank=rank, cycle=cycle, step=r.step, session=r.session),
-                self.now + self._delay(),
+            r.reduce_cycle = None
+            r.group = None
+            r.busy = None
+            if cycle == 0:
+                r.proto.broadcasted()
+            else:
+                self._to_coord(r.proto.end_reduce(cycle))
+            self._step(r)
+
+    def _reduce_timeout(self, payload: tuple[int, int]) -> None:
+        rank, seq = payload
+        r = self.ranks[rank]
+        if r.running and r.busy == "reduce" and r.reduce_seq == seq:
+            self._rank_fails(
+                r, f"reduce round {r.reduce_cycle} timed out ({self.timeouts.data_io_s:g} s)"
             )
-            if self.config.elche.traits.waits_for_update:
-                r.waiting_update = True
-            self._continue(r)
+
+    def _rank_fails(self, r: _SimRank, why: str) -> None:
+        """A rank dies on its own (its process exits 1 with a death record)."""
+        if not r.running:
+            return
+        self.trace.rank_failures.append((self.now, r.rank, why))
+        self._kill(r)
+
+    def _kill(self, r: _SimRank) -> None:
+        r.alive = False
+        self._push(self.now + self.detect_delay_s, "launcher", ChildExited(r.rank, -9))
+        self._fail_collectives_of(r)
+
+    def _fail_collectives_of(self, gone: _SimRank) -> None:
+        """Every collective ``gone`` belongs to fails for the members waiting in it."""
+        delay = self._fail_after([gone])
+        for other in self.ranks:
+            if other.group is not None and gone.rank in other.members and other is not gone:
+                self._push(self.now + delay, "collective_failed", (other.rank, other.group))
 
     def _fault(self, f: Failure) -> None:
         r = self.ranks[f.rank]
-        if not r.alive or r.exited:
+        if not r.running:
             return
+        self._faulted.add(f.rank)
         if f.kind == "kill":
-            r.alive = False
-            self._to_coord(ChildExited(f.rank, -9), self.now + self.detect_delay_s)
+            self._kill(r)
         else:
             r.hung = True
+            self._fail_collectives_of(r)
 
     # ------------------------------------------------------------------ invariants
     def _check(self) -> None:
         c = self.coord
+        if self.trace.rank_failures:
+            t, rank, why = self.trace.rank_failures[0]
+            self._violate(f"rank {rank} failed without a fault at {t:.4f} s: {why}")
         if c.phase is RunPhase.FORMING:
             return
-        barrier = self.config.elche.barrier_paced
-        for e, work in c.dispatch.works.items():
+        barrier = self.traits.barrier_paced
+        works = c.dispatch.works
+        for e, work in works.items():
             report = work.coverage_report()
             if not report.ok:
                 self._violate(f"epoch {e} ledger broken: {report}")
@@ -572,17 +636,16 @@ class SimCluster:
                     self._violate(f"dead rank {rank} still holds work in epoch {e}")
                 if barrier and c.progressive and len(work.outstanding(rank)) > 1:
                     self._violate(f"rank {rank} has more than one chunk in flight (epoch {e})")
-        if barrier and c.phase is RunPhase.TRAINING and len(c.dispatch.works) > 1:
-            self._violate(f"barrier-paced run has epochs {sorted(c.dispatch.works)} open at once")
+        if barrier and c.phase is RunPhase.TRAINING and len(works) > 1:
+            self._violate(f"barrier-paced run has epochs {sorted(works)} open at once")
         if c.phase is RunPhase.TRAINING and not c.cycle.pending:
-            alive = c.membership.alive()
             expected = should_average(
-                one_step=self.config.elche.traits.one_step_gate,
-                alive=alive,
+                one_step=self.traits.one_step_gate,
+                alive=c.membership.alive(),
                 window_steps=[r.window.steps for r in c.windows],
                 counts=[max(1, n) for n in c.elche.batch_counts],
                 quiesced=[c.in_flight(r) == 0 for r in range(len(self.ranks))],
-                chunked=c.traits.chunk_is_window and c.progressive,
+                chunked=self.traits.chunk_is_window and c.progressive,
             )
             if expected != c.gate_open():
                 self._violate(f"incremental count gate {c.gate_open()} != should_average")

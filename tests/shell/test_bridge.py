@@ -69,14 +69,19 @@ def _hello(rank: int = 0) -> Hello:
     return Hello(run_id="bridge-test", rank=rank, world_size=2, model_signature=SIGNATURE)
 
 
-def _accept(hello: Hello) -> Accept:
+def _accept(hello: Hello, heartbeat_timeout_s: float = 30.0) -> Accept:
     return Accept(
         run_id=hello.run_id,
         rank=hello.rank,
         world_size=hello.world_size,
         session=4,
-        heartbeat_timeout_s=30.0,
+        heartbeat_timeout_s=heartbeat_timeout_s,
     )
+
+
+def announcing(heartbeat_timeout_s: float) -> Callable[[Hello], CoordFrame | None]:
+    """A handshake reply announcing this liveness timeout (the rank obeys the coordinator)."""
+    return lambda hello: _accept(hello, heartbeat_timeout_s)
 
 
 def _free_port() -> int:
@@ -254,6 +259,16 @@ class FakeCoordinator:
 @pytest.fixture
 def coord() -> Iterator[FakeCoordinator]:
     server = FakeCoordinator().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def fast_coord() -> Iterator[FakeCoordinator]:
+    """A coordinator that announces a 0.3 s liveness timeout in its accept."""
+    server = FakeCoordinator(reply=announcing(LIVENESS_S)).start()
     try:
         yield server
     finally:
@@ -499,9 +514,10 @@ def test_bad_frame_marks_lost(coord: FakeCoordinator, make_bridge: BridgeFactory
 
 
 def test_coord_heartbeats_keep_it_alive_and_are_not_queued(
-    coord: FakeCoordinator, make_bridge: BridgeFactory
+    fast_coord: FakeCoordinator, make_bridge: BridgeFactory
 ) -> None:
-    bridge = make_bridge(coord.port, liveness_timeout_s=0.3)
+    coord = fast_coord
+    bridge = make_bridge(coord.port)  # the coordinator's announced 0.3 s rules
     bridge.start()
     coord.start_heartbeats(0.05)
     assert not bridge.lost.wait(1.0), bridge.lost_reason  # > 3 liveness timeouts
@@ -514,10 +530,12 @@ def test_coord_heartbeats_keep_it_alive_and_are_not_queued(
 
 
 def test_silence_marks_lost_after_liveness_timeout(
-    coord: FakeCoordinator, make_bridge: BridgeFactory
+    fast_coord: FakeCoordinator, make_bridge: BridgeFactory
 ) -> None:
+    coord = fast_coord
     reasons: queue.SimpleQueue[str] = queue.SimpleQueue()
-    bridge = make_bridge(coord.port, liveness_timeout_s=0.3, on_lost=reasons.put)
+    # the rank's own (longer) setting bounds only the handshake: the coordinator's 0.3 s rules
+    bridge = make_bridge(coord.port, liveness_timeout_s=30.0, on_lost=reasons.put)
     t0 = time.monotonic()
     bridge.start()
     assert bridge.lost.wait(WAIT_S)
@@ -697,8 +715,8 @@ def _run_child(port: int, mode: str) -> tuple[float, int, str, str]:
         proc.communicate()
 
 
-def test_hard_exit_when_the_main_thread_never_closes(coord: FakeCoordinator) -> None:
-    elapsed, code, out, err = _run_child(coord.port, "hang")
+def test_hard_exit_when_the_main_thread_never_closes(fast_coord: FakeCoordinator) -> None:
+    elapsed, code, out, err = _run_child(fast_coord.port, "hang")
     assert code == HARD_EXIT_CODE, err
     assert elapsed <= LIVENESS_S + GRACE_S + 2.0
     assert elapsed >= LIVENESS_S + GRACE_S - 0.05
@@ -706,8 +724,8 @@ def test_hard_exit_when_the_main_thread_never_closes(coord: FakeCoordinator) -> 
     assert "exit code 3" in err
 
 
-def test_close_after_the_loss_disarms_the_hard_exit(coord: FakeCoordinator) -> None:
-    elapsed, code, out, err = _run_child(coord.port, "close")
+def test_close_after_the_loss_disarms_the_hard_exit(fast_coord: FakeCoordinator) -> None:
+    elapsed, code, out, err = _run_child(fast_coord.port, "close")
     assert code == 0, err
     assert "survived" in out
     assert elapsed >= LIVENESS_S + GRACE_S

@@ -449,27 +449,26 @@ def test_anchor_wall_ms_is_zero_before_calibration() -> None:
 # ---------------------------------------------------------------------------- callback slack
 
 
-def test_callback_slack_is_consumed_by_exactly_one_recompute() -> None:
+def test_callback_slack_shrinks_the_coming_window_and_one_recompute_restores_it() -> None:
     el = ElChe(2, anchor=30)
     feed(el, [1.0, 2.0])
     assert el.batch_counts == [60, 30]
     el.apply_callback_slack([0.0, 20.0])  # 20 ms at 2 ms/batch = 10 batches
+    assert el.batch_counts == [60, 20]  # at once: no later recompute of this cycle undoes it
     assert el.pending_callback_slack_ms == [0.0, 20.0]
     feed(el, [1.0, 2.0])
-    assert el.batch_counts == [60, 20]
-    assert el.pending_callback_slack_ms == [0.0, 0.0]
-    feed(el, [1.0, 2.0])
     assert el.batch_counts == [60, 30]
+    assert el.pending_callback_slack_ms == [0.0, 0.0]
 
 
-def test_callback_slack_bypasses_the_dead_zone_and_keeps_one_batch() -> None:
+def test_callback_slack_restore_bypasses_the_dead_zone_and_keeps_one_batch() -> None:
     el = ElChe(2, anchor=30)
     feed(el, [1.0, 2.0])
     el.apply_callback_slack([0.0, 2.0])  # one batch: inside the 5 % dead zone
-    feed(el, [1.0, 2.0])
     assert el.batch_counts == [60, 29]
-    el.apply_callback_slack([1e6, 0.0])
     feed(el, [1.0, 2.0])
+    assert el.batch_counts == [60, 30]
+    el.apply_callback_slack([1e6, 0.0])
     assert el.batch_counts[0] == 1
 
 

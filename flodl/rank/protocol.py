@@ -1,0 +1,417 @@
+"""The rank's side of the protocol, sans-IO: coordinator frames in, the rank's next action out.
+
+Pure module (docs/design.md §0, §2b): no torch, no socket, no clock. The rank runtime
+(:mod:`flodl.rank.runtime`, real torch and sockets) and the simulator (:mod:`flodl.sim`, a
+virtual clock) drive the same :class:`RankProtocol`, so the simulator's invariants cover how a
+production rank reacts to every frame.
+
+* :meth:`RankProtocol.receive` applies one frame and returns the work it asks for at once
+  (:class:`RunEval`, :class:`RunCheckpoint`, :class:`SaveBundle`, :class:`RunEpochFn`,
+  :class:`Reform`, :class:`PeerDead`, :class:`Stop`);
+* :meth:`RankProtocol.next_action` says what to do at a step boundary: :class:`Broadcast` (the
+  initial state exchange), :class:`Reduce` (enter a cycle), :class:`Train` (the next batch of
+  the oldest slice), :class:`Wait` (block for a frame) or :class:`Stop`;
+* the executor reports back: :meth:`~RankProtocol.trained` (the ``batch`` frame, and
+  ``metrics`` when a slice ends), :meth:`~RankProtocol.begin_reduce` /
+  :meth:`~RankProtocol.end_reduce` (``snapshot_ready``, ``sync_ack``),
+  :meth:`~RankProtocol.collective_failed` (frames other than ``new_session``, a save and a stop
+  are held until the group re-forms, then replayed in order).
+
+Frames that arrive while the executor is busy (a batch, a reduce, a callback) wait in its own
+inbox; the protocol sees them in arrival order, which the control connection (TCP) preserves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from flodl.wire.frames import (
+    Batch,
+    Checkpoint,
+    CoordFrame,
+    DeclareDead,
+    EpochAggregated,
+    EpochPlan,
+    EvalBroadcast,
+    ExecuteEval,
+    ExtendPartition,
+    Metrics,
+    NewSession,
+    RequestParams,
+    SaveConsensusModel,
+    SetEpochCallbackRole,
+    SetGlobalStep,
+    Shutdown,
+    ShutdownWithSave,
+    SnapshotReady,
+    StartEpoch,
+    SyncAck,
+    SyncNow,
+    Throttle,
+    Update,
+)
+
+__all__ = [
+    "RankProtocol",
+    "Slice",
+    "StepSums",
+    "Action",
+    "Broadcast",
+    "Reduce",
+    "Train",
+    "Wait",
+    "Stop",
+    "RunEval",
+    "RunCheckpoint",
+    "SaveBundle",
+    "RunEpochFn",
+    "Reform",
+    "PeerDead",
+]
+
+
+@dataclass(slots=True)
+class Slice:
+    """A plan the rank trains batch by batch: ``size`` samples from ``offset`` of the epoch's
+    slice of the shared permutation; ``pos`` samples of it are trained."""
+
+    epoch: int
+    offset: int
+    size: int
+    tail: bool = False
+    pos: int = 0
+
+
+@dataclass
+class StepSums:
+    """Sums over a run of steps (a slice on a rank, an epoch on one device)."""
+
+    batches: int = 0
+    loss_sum: float = 0.0
+    compute_ms: float = 0.0
+    data_ms: float = 0.0
+    scalars: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(
+        self, loss: float, compute_ms: float, data_ms: float, scalars: dict[str, list[float]]
+    ) -> None:
+        self.batches += 1
+        self.loss_sum += loss
+        self.compute_ms += compute_ms
+        self.data_ms += data_ms
+        for k, (s, c) in scalars.items():
+            slot = self.scalars.setdefault(k, [0.0, 0.0])
+            slot[0] += s
+            slot[1] += c
+
+
+# ---- what to do at a step boundary --------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Broadcast:
+    """The initial state exchange (every replica starts from the lowest live rank's state)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reduce:
+    """Enter averaging cycle ``cycle`` (call :meth:`RankProtocol.begin_reduce`)."""
+
+    cycle: int
+
+
+@dataclass(frozen=True, slots=True)
+class Train:
+    """Train the next ``batch_size`` samples of ``slice`` from ``slice.pos``."""
+
+    slice: Slice
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Nothing to do until the next frame arrives."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """The coordinator ended the run (``save_reason`` set after a ShutdownWithSave)."""
+
+    save_reason: str | None
+
+
+# ---- work a frame asks for at once --------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunEval:
+    schedule_id: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunCheckpoint:
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class SaveBundle:
+    frame: SaveConsensusModel
+
+
+@dataclass(frozen=True, slots=True)
+class RunEpochFn:
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reform:
+    """Re-form the collective group (collective modes)."""
+
+    session: int
+    store_prefix: str
+    new_rank: int
+    new_world_size: int
+    ranks: tuple[int, ...] = ()
+    """The members, ascending global ranks."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerDead:
+    rank: int
+    reason: str
+
+
+Action = (
+    Broadcast
+    | Reduce
+    | Train
+    | Wait
+    | Stop
+    | RunEval
+    | RunCheckpoint
+    | SaveBundle
+    | RunEpochFn
+    | Reform
+    | PeerDead
+)
+
+
+class RankProtocol:
+    """One rank's view of the run.
+
+    Args:
+        rank: this rank.
+        batch_size: samples per batch.
+        waits_for_update: after a reduce the rank waits for the coordinator's ``update`` (the
+            mode's trait; CPU averaging, not Async).
+        session: the collective session the rank was admitted to.
+    """
+
+    def __init__(
+        self, rank: int, batch_size: int, *, waits_for_update: bool, session: int = 0
+    ) -> None:
+        self.rank = rank
+        self.batch_size = batch_size
+        self.waits_for_update = waits_for_update
+        self.session = session
+        self.queue: deque[Slice] = deque()
+        self.deferred: deque[CoordFrame] = deque()
+        """Frames to apply before any newer one (held during a re-formation, then replayed)."""
+        self.started = False
+        """The first frame after ``accept`` arrived: the cohort formed."""
+        self.broadcast_done = False
+        self.pending_reduce: int | None = None
+        self.waiting_update = False
+        self.throttled = False
+        self.awaiting_session = False
+        self.held: list[CoordFrame] = []
+        self.step = 0
+        self.window_steps = 0
+        self.global_step = 0
+        self.local_since_avg = 0
+        self.epoch_role: int | None = None
+        self.last_eval: tuple[int, float] | None = None
+        self.stopped: Stop | None = None
+        self.sums = StepSums()
+
+    # ------------------------------------------------------------------ frames in
+    def receive(self, frame: CoordFrame) -> list[Action]:
+        """Apply ``frame`` (in arrival order); the work it asks for at once."""
+        if self.stopped is not None:
+            return []
+        self.started = True
+        if self.awaiting_session:
+            if isinstance(frame, Shutdown | ShutdownWithSave):
+                self._replay_held()
+            elif isinstance(frame, NewSession):
+                actions = self._apply(frame)
+                self._replay_held()
+                return actions
+            elif not isinstance(frame, SaveConsensusModel):  # a save needs no collective
+                self.held.append(frame)
+                return []
+        return self._apply(frame)
+
+    def _replay_held(self) -> None:
+        self.awaiting_session = False
+        self.deferred.extendleft(reversed(self.held))
+        self.held = []
+
+    def _apply(self, frame: CoordFrame) -> list[Action]:
+        match frame:
+            case StartEpoch(plan=plan):
+                self._enqueue(plan)
+                self.throttled = False
+            case ExtendPartition(epoch=e, partition_offset=off, partition_size=size):
+                self.queue.append(Slice(e, off, size))
+                self.throttled = False
+            case RequestParams(cycle=c) | SyncNow(cycle=c):
+                self.pending_reduce = c
+                self.throttled = False
+            case Update(next_plan=plan):
+                self.waiting_update = False
+                self.throttled = False
+                if plan is not None:
+                    self._enqueue(plan)
+            case Throttle():
+                self.throttled = True
+            case SetGlobalStep(global_step=g):
+                self.global_step = g
+                self.local_since_avg = 0
+            case NewSession(
+                session=s, store_prefix=prefix, new_rank=nr, new_world_size=nw, ranks=members
+            ):
+                self.session = s
+                return [Reform(s, prefix, nr, nw, tuple(members))]
+            case DeclareDead(rank=r, reason=why):
+                return [PeerDead(r, why)]
+            case Shutdown():
+                self.stopped = Stop(None)
+                return [self.stopped]
+            case ShutdownWithSave(reason=reason):
+                self.stopped = Stop(reason)
+                return [self.stopped]
+            case ExecuteEval(schedule_id=sid, epoch=epoch):
+                return [RunEval(sid, epoch)]
+            case Checkpoint(version=v):
+                return [RunCheckpoint(v)]
+            case SaveConsensusModel():
+                return [SaveBundle(frame)]
+            case SetEpochCallbackRole(rank=r):
+                self.epoch_role = r
+            case EpochAggregated(metrics=m):
+                if self.epoch_role == self.rank:
+                    return [RunEpochFn(m.epoch)]
+            case EvalBroadcast(epoch=e, metric=v):
+                self.last_eval = (e, v)
+            case _:
+                pass
+        return []
+
+    def _enqueue(self, plan: EpochPlan) -> None:
+        self.queue.append(
+            Slice(plan.epoch, plan.partition_offset, plan.partition_size, plan.epoch_tail)
+        )
+
+    # ------------------------------------------------------------------ actions out
+    def next_action(self) -> Broadcast | Reduce | Train | Wait | Stop:
+        """What to do at this step boundary (apply every frame that arrived first)."""
+        if self.stopped is not None:
+            return self.stopped
+        if not self.started:
+            return Wait()
+        if not self.broadcast_done:
+            return Broadcast()
+        if self.pending_reduce is not None:
+            return Reduce(self.pending_reduce)
+        if self.awaiting_session or self.waiting_update or self.throttled or not self.queue:
+            return Wait()
+        return Train(self.queue[0])
+
+    def lr_step(self) -> int:
+        """The step the LR schedule is evaluated at (the global step plus local progress)."""
+        return self.global_step + self.local_since_avg
+
+    # ------------------------------------------------------------------ reports back
+    def broadcasted(self) -> None:
+        """The initial state exchange finished."""
+        self.broadcast_done = True
+
+    def trained(
+        self,
+        compute_ms: float,
+        data_ms: float,
+        loss: float,
+        scalars: dict[str, list[float]] | None = None,
+    ) -> tuple[Batch, Metrics | None]:
+        """The batch :class:`Train` asked for is trained: its ``batch`` frame, and the
+        ``metrics`` frame of its slice when that was the slice's last batch."""
+        head = self.queue[0]
+        self.step += 1
+        self.window_steps += 1
+        self.local_since_avg += 1
+        batch = Batch(
+            rank=self.rank,
+            epoch=head.epoch,
+            step=self.step,
+            batch_ms=compute_ms,
+            data_ms=data_ms,
+            loss=loss,
+        )
+        self.sums.add(loss, compute_ms, data_ms, scalars or {})
+        head.pos += self.batch_size
+        if head.pos < head.size:
+            return batch, None
+        self.queue.popleft()
+        st, bs = self.sums, self.batch_size
+        busy = st.compute_ms + st.data_ms
+        metrics = Metrics(
+            rank=self.rank,
+            epoch=head.epoch,
+            avg_loss=st.loss_sum / max(1, st.batches),
+            batches_processed=st.batches,
+            samples_processed=st.batches * bs,
+            epoch_ms=busy,
+            share_complete_ms=busy,
+            compute_only_ms=st.compute_ms,
+            data_starve_ms=st.data_ms,
+            scalars={k: (v[0], int(v[1])) for k, v in sorted(st.scalars.items())[:256]},
+        )
+        self.sums = StepSums()
+        return batch, metrics
+
+    def begin_reduce(self, cycle: int) -> tuple[SnapshotReady, int]:
+        """Enter cycle ``cycle``: its ``snapshot_ready`` frame and the window's step count (the
+        reduce weight is ``n ** gamma``)."""
+        self.pending_reduce = None
+        return SnapshotReady(rank=self.rank, cycle=cycle, step=self.step), self.window_steps
+
+    def collective_failed(self) -> None:
+        """A collective failed (a peer died): hold every frame but ``new_session``, a save and a
+        stop until the group re-forms."""
+        self.awaiting_session = True
+
+    def end_reduce(
+        self,
+        cycle: int,
+        *,
+        divergence: float | None = None,
+        pre_norm: float | None = None,
+        post_norm: float | None = None,
+    ) -> SyncAck:
+        """The reduce finished: its ``sync_ack``; the rank then waits for its ``update`` where
+        the mode says so."""
+        ack = SyncAck(
+            rank=self.rank,
+            cycle=cycle,
+            step=self.step,
+            session=self.session,
+            divergence=divergence,
+            pre_norm=pre_norm,
+            post_norm=post_norm,
+        )
+        self.window_steps = 0
+        if self.waits_for_update:
+            self.waiting_update = True
+        return ack
