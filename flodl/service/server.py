@@ -178,6 +178,8 @@ class CoordinatorServer:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._done: asyncio.Future[RunOver] | None = None
+        self._broken: str | None = None
+        """Set once the machine raised (our own bug): the run is over."""
         self.port = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -346,9 +348,15 @@ class CoordinatorServer:
     def _dispatch(self, event: RankFrame | Input, peer: _Peer | None = None) -> None:
         loop = self._loop
         assert loop is not None
+        if self._broken is not None:
+            return
         previous, self._current = self._current, peer
         try:
-            effects = self.machine.handle(event, loop.time())
+            try:
+                effects = self.machine.handle(event, loop.time())
+            except Exception as exc:  # noqa: BLE001 - our own bug, never blamed on the peer
+                self._internal_error(exc, f"handling {event.kind!r}")
+                return
             self._apply(effects)
         finally:
             self._current = previous
@@ -357,8 +365,30 @@ class CoordinatorServer:
         loop = self._loop
         assert loop is not None
         at, self._timer, self._timer_at = self._timer_at, None, None
+        if self._broken is not None:
+            return
         now = loop.time() if at is None else max(at, loop.time())
-        self._apply(self.machine.tick(now))
+        try:
+            effects = self.machine.tick(now)
+        except Exception as exc:  # noqa: BLE001 - our own bug: the run ends with it
+            self._internal_error(exc, "a deadline")
+            return
+        self._apply(effects)
+
+    def _internal_error(self, exc: Exception, during: str) -> None:
+        """The machine raised: a bug of ours (a peer's bad input is an effect, never an
+        exception). Its state can no longer be trusted, so the run ends with the error
+        (every rank sees its coordinator go away and exits with a death record); no rank is
+        evicted for it."""
+        logger.critical("coordinator internal error while %s", during, exc_info=exc)
+        self._broken = f"coordinator internal error while {during}: {type(exc).__name__}: {exc}"
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for peer in list(self._peers):
+            self._close_peer(peer, self._broken, report=False)
+        if self._done is not None and not self._done.done():
+            self._done.set_result(RunOver(ok=False, reason=self._broken))
 
     def _rearm(self) -> None:
         loop = self._loop

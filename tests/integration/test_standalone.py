@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -21,12 +22,15 @@ RUN_IDS: dict[str, str] = {}
 """Coordinator address → its run id (what the ranks put in FLODL_RUN_ID)."""
 
 
-def start_coord(tmp: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
+def start_coord(
+    tmp: Path, *extra: str, env: dict[str, str] | None = None, verbose: bool = False
+) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "flodl",
+            *(["-v"] if verbose else []),
             "coord",
             "--world-size",
             "2",
@@ -41,6 +45,7 @@ def start_coord(tmp: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=env,
     )
     assert proc.stdout is not None
     first = proc.stdout.readline()
@@ -244,3 +249,57 @@ def test_bad_coordinator_options_fail_with_the_field_named(tmp_path: Path) -> No
     )
     assert out.returncode == 2
     assert "world_size" in out.stderr
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("scale", "hb"), [(None, 10.0), ("0.3", 3.0)], ids=["hb10", "hb10-scale0.3"]
+)
+def test_ranks_obey_the_standalone_coordinators_timeouts(
+    scale: str | None, hb: float, tmp_path: Path
+) -> None:
+    """``flodl coord --heartbeat-timeout 10`` (scaled by its own FLODL_NET_TIMEOUT_SCALE) rules
+    the ranks' deadlines: ranks configured with the default 30 s, and no scale, lose a silent
+    coordinator after its timeout, not theirs, and say so in their death records."""
+    from flodl import checkpoint
+
+    coord_env = {k: v for k, v in os.environ.items() if k != "FLODL_NET_TIMEOUT_SCALE"}
+    if scale is not None:
+        coord_env["FLODL_NET_TIMEOUT_SCALE"] = scale
+    coord, address = start_coord(
+        tmp_path,
+        *("--mode", "cpu_cadence", "--heartbeat-timeout", "10", "--epochs", "500"),
+        env=coord_env,
+        verbose=True,
+    )
+    rank_env = {k: v for k, v in os.environ.items() if k != "FLODL_NET_TIMEOUT_SCALE"}
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(2):
+            env = {
+                **rank_env,
+                "FLODL_COORD": address,
+                "FLODL_RUN_ID": RUN_IDS[address],
+                "FLODL_SECRET_FILE": str(tmp_path / "secret"),
+                "FLODL_RANK": str(rank),
+                "FLODL_WORLD_SIZE": "2",
+                "FLODL_STEM": str(tmp_path / "run"),
+            }
+            cmd = [sys.executable, str(JOIN), "--out", str(tmp_path), "--epochs", "500"]
+            procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL))
+        assert coord.stderr is not None
+        while "epoch 0:" not in (line := coord.stderr.readline()):  # the cohort trains
+            assert line, "the coordinator ended before its first epoch"
+        coord.send_signal(signal.SIGSTOP)  # silent, connections still open
+        codes = [p.wait(timeout=120) for p in procs]
+        assert all(code != 0 for code in codes)
+        for rank in range(2):
+            record = checkpoint.read_death_record(str(tmp_path / "run"), rank)
+            assert f"liveness timeout {hb:g} s" in record.error, record.error
+    finally:
+        coord.send_signal(signal.SIGCONT)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        stop(coord)

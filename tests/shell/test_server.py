@@ -38,13 +38,14 @@ from flodl.coord.effects import (
 )
 from flodl.coord.liveness import RankState
 from flodl.coord.machine import Coordinator
-from flodl.errors import FrameError
+from flodl.errors import FrameError, LocalProtocolError
 from flodl.service.server import CoordinatorServer
 from flodl.timeouts import Timeouts
 from flodl.wire.codec import AnyFrame, auth_tag, encode_frame
 from flodl.wire.frames import (
     PROTOCOL_VERSION,
     Accept,
+    Batch,
     CoordHeartbeat,
     EpochAggregated,
     EpochMetrics,
@@ -718,3 +719,28 @@ async def test_close_closes_every_connection_and_task_and_is_idempotent() -> Non
         assert asyncio.all_tasks() == {asyncio.current_task()}
         with pytest.raises(OSError):
             await asyncio.open_connection("127.0.0.1", port)
+
+
+@pytest.mark.timeout(30)
+async def test_our_own_bug_ends_the_run_and_is_never_blamed_on_the_rank(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A LocalProtocolError raised while handling a rank's frame is a bug of ours: the run
+    ends with the error, and no rank is declared dead for it."""
+    async with serving() as h:
+        r0, r1 = await h.form()
+
+        def broken(batch: Batch) -> None:
+            raise LocalProtocolError("planted bug in the ledger")
+
+        monkeypatch.setattr(h.machine.dispatch, "on_batch", broken)
+        await r0.send(Batch(rank=0, epoch=0, step=1, batch_ms=1.0, loss=1.0))
+        over = await asyncio.wait_for(h.server.wait(), WAIT_S)
+        assert not over.ok
+        assert "coordinator internal error while handling 'batch'" in over.reason
+        assert "planted bug in the ledger" in over.reason
+        assert h.machine.membership.liveness.state(0) is RankState.ALIVE
+        assert [a for a in h.sink.alerts if a.cls == "rank_lost"] == []
+        await r0.read_until_eof()  # every rank sees its coordinator go away
+        await r1.read_until_eof()
+        assert any("internal error" in r.getMessage() for r in caplog.records)
