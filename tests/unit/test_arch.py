@@ -51,6 +51,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "flodl.data",
             "flodl.outer",
             "flodl.checkpoint",
+            "flodl.checkpoint.*",
             "flodl.chaos",
             "flodl.monitor",
             "flodl.monitor.*",

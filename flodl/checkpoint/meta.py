@@ -1,0 +1,312 @@
+"""``S.meta.json``: the switch that commits a bundle, and what it seeds into a resume.
+
+The coordinator writes it last, once the save's model file is on disk, so a meta always names
+files that exist; its ``bundle_tag`` says which. Field names and ``schema_version`` are the
+original flodl's, so both read the same file: unknown fields are ignored, versions
+``1..META_SCHEMA_VERSION`` are read (v1 has no ``elche_state``, v2 no ``trend_history``), newer
+ones are refused. :func:`write_meta` validates through :class:`CheckpointMeta`, so the
+coordinator can never commit a meta its own resume refuses.
+
+Choices: an unknown ``save_reason`` reads as ``graceful_shutdown`` (the wire bytes 0..4 and
+CamelCase names are understood too) and is logged; ``uncovered_ranges`` must be what the
+coordinator accepts on resume (non-negative, batch-aligned offset *and* size, inside
+``total_samples``, non-overlapping); ``elche_state`` must hold one speed per rank of
+``world_size_at_save``; non-finite floats (a NaN trend value) are written as JSON ``NaN``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Self, get_args
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from flodl.checkpoint.files import TAG_PATTERN, is_int, meta_path, write_or_raise
+from flodl.coord.elche import ElCheState
+from flodl.coord.resume import META_SCHEMA_VERSION, ResumeState
+from flodl.errors import CheckpointError, ConfigError
+from flodl.wire.frames import SaveReason
+
+__all__ = [
+    "META_SCHEMA_VERSION",
+    "SAVE_REASONS",
+    "JsonModel",
+    "EpochCoverage",
+    "Coverage",
+    "CheckpointMeta",
+    "write_meta",
+    "read_meta",
+    "resume_state",
+    "validation_problem",
+]
+
+logger = logging.getLogger(__name__)
+
+SAVE_REASONS: tuple[str, ...] = get_args(SaveReason)
+"""The SaveReason names, in wire-byte order (``0 graceful_shutdown`` … ``4 reduce_stall``)."""
+
+NonNegInt = Annotated[StrictInt, Field(ge=0)]
+PosInt = Annotated[StrictInt, Field(ge=1)]
+
+
+class JsonModel(BaseModel):
+    # extra="ignore": fields the original flodl (or a later one) adds are tolerated.
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class EpochCoverage(JsonModel):
+    """What of one open epoch was still untrained at the save.
+
+    Attributes:
+        epoch: the epoch.
+        total_samples: samples in the epoch (``batches × batch_size``).
+        uncovered_ranges: ``(offset, size)`` in samples, batch-aligned, sorted by the writer.
+    """
+
+    epoch: NonNegInt
+    total_samples: NonNegInt
+    uncovered_ranges: list[tuple[StrictInt, StrictInt]] = Field(default_factory=list)
+
+
+class Coverage(JsonModel):
+    """The coverage block: what a coverage-granular resume needs (newer original metas)."""
+
+    seed: StrictInt
+    batch_size: PosInt
+    epoch_splits: PosInt = 1
+    per_epoch: list[EpochCoverage] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> Self:
+        bs = self.batch_size
+        seen: set[int] = set()
+        for entry in self.per_epoch:
+            if entry.epoch in seen:
+                raise ValueError(f"epoch {entry.epoch} appears twice in per_epoch")
+            seen.add(entry.epoch)
+            end = 0
+            for offset, size in sorted(entry.uncovered_ranges):
+                where = f"epoch {entry.epoch} uncovered range (offset={offset}, size={size})"
+                if offset < 0 or size < 0:
+                    raise ValueError(f"{where} is negative")
+                if offset % bs or size % bs:
+                    raise ValueError(f"{where} is not batch-aligned (batch_size={bs})")
+                if offset + size > entry.total_samples:
+                    raise ValueError(f"{where} ends past total_samples={entry.total_samples}")
+                if offset < end:
+                    raise ValueError(f"{where} overlaps the previous range")
+                end = offset + size
+        return self
+
+
+_CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
+
+
+class CheckpointMeta(JsonModel):
+    """``S.meta.json``, as the coordinator writes it and the original flodl reads it.
+
+    Attributes:
+        schema_version: ``1..META_SCHEMA_VERSION``.
+        epoch: the epoch to resume (the first open one at the save).
+        global_step: optimizer steps over the run.
+        sync_round: averaging rounds finished.
+        world_size_at_save: the run's world size; a resume needs the same one.
+        save_reason: one of :data:`SAVE_REASONS`.
+        elche_state: :meth:`~flodl.coord.elche.ElCheState.to_dict` (+ ``trend_history``, v3);
+            absent in v1 metas.
+        coverage: the coverage block, absent in the original's v1..v3 metas.
+        bundle_tag: the tag of the save's files (``S.<tag>.fdl``…); absent: the untagged
+            files of the original layout.
+    """
+
+    schema_version: Annotated[StrictInt, Field(ge=1, le=META_SCHEMA_VERSION)]
+    epoch: NonNegInt
+    global_step: NonNegInt
+    sync_round: NonNegInt
+    world_size_at_save: PosInt
+    save_reason: SaveReason = "graceful_shutdown"
+    elche_state: dict[str, Any] | None = None
+    coverage: Coverage | None = None
+    bundle_tag: Annotated[StrictStr, Field(pattern=TAG_PATTERN + "$")] | None = None
+    _source: Path | None = PrivateAttr(default=None)
+
+    @field_validator("save_reason", mode="before")
+    @classmethod
+    def _known_reason(cls, value: object) -> str:
+        if is_int(value) and 0 <= value < len(SAVE_REASONS):
+            return SAVE_REASONS[value]
+        if isinstance(value, str):
+            name = _CAMEL.sub("_", value).lower()
+            if name in SAVE_REASONS:
+                return name
+        logger.warning("unknown save_reason %r read as graceful_shutdown", value)
+        return "graceful_shutdown"
+
+    @field_validator("elche_state")
+    @classmethod
+    def _valid_elche(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            try:
+                ElCheState.from_dict(value)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _elche_matches_world(self) -> Self:
+        if self.elche_state is not None:
+            speeds = self.elche_state["smoothed_ms_per_batch"]
+            if len(speeds) != self.world_size_at_save:
+                raise ValueError(
+                    f"elche_state.smoothed_ms_per_batch has {len(speeds)} ranks, "
+                    f"world_size_at_save is {self.world_size_at_save}"
+                )
+            anchor_rank = self.elche_state["anchor_rank"]
+            if anchor_rank is not None and anchor_rank >= self.world_size_at_save:
+                raise ValueError(
+                    f"elche_state.anchor_rank {anchor_rank} is out of range for "
+                    f"world_size_at_save {self.world_size_at_save}"
+                )
+        return self
+
+    @property
+    def source(self) -> Path | None:
+        """The file this meta was read from (set by :func:`read_meta`), for error messages.
+
+        Not a field (not dumped), but pydantic's ``==`` compares it: compare ``model_dump()``
+        to compare contents."""
+        return self._source
+
+    @property
+    def elche(self) -> ElCheState | None:
+        """The ElChe state (with ``trend_history`` when saved), or ``None``."""
+        return None if self.elche_state is None else ElCheState.from_dict(self.elche_state)
+
+
+def validation_problem(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def write_meta(stem: str | os.PathLike[str], meta: Mapping[str, Any]) -> Path:
+    """Validate ``meta`` (e.g. :meth:`Coordinator.meta_record`) and write ``S.meta.json``
+    atomically as pretty JSON.
+
+    Raises:
+        CheckpointError: ``meta`` would not read back (the fields are named), or the file
+            could not be written (the previous one is intact).
+    """
+    path = meta_path(stem)
+    try:
+        model = CheckpointMeta.model_validate(dict(meta))
+    except ValidationError as exc:
+        raise CheckpointError(
+            f"{path}: refusing to write an invalid meta: {validation_problem(exc)}"
+        ) from None
+    record = {k: v for k, v in model.model_dump().items() if v is not None}
+    text = json.dumps(record, indent=2) + "\n"
+    return write_or_raise(path, lambda f: f.write(text.encode()))
+
+
+def read_meta(stem: str | os.PathLike[str], *, world_size: int | None = None) -> CheckpointMeta:
+    """Read and validate ``S.meta.json``.
+
+    Args:
+        stem: the bundle stem (or one of its files).
+        world_size: this run's world size; when given it must equal ``world_size_at_save``.
+
+    Raises:
+        CheckpointError: the file is missing, not JSON, not an object, from a newer schema,
+            has invalid fields (named), or was saved with another world size.
+    """
+    path = meta_path(stem)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint meta at {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot read the checkpoint meta: {exc}") from exc
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+        raise CheckpointError(f"{path}: not JSON: {type(exc).__name__}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: the meta must be a JSON object, not {type(raw).__name__}")
+    version = raw.get("schema_version")
+    if is_int(version) and version > META_SCHEMA_VERSION:
+        raise CheckpointError(
+            f"{path}: written by a newer flodl (schema {version} > {META_SCHEMA_VERSION}); upgrade"
+        )
+    try:
+        meta = CheckpointMeta.model_validate(raw)
+    except ValidationError as exc:
+        raise CheckpointError(f"{path}: invalid meta: {validation_problem(exc)}") from None
+    if world_size is not None and meta.world_size_at_save != world_size:
+        raise CheckpointError(
+            f"{path}: saved with world size {meta.world_size_at_save}, this run has "
+            f"{world_size}: resume needs the same world size"
+        )
+    meta._source = path
+    return meta
+
+
+def resume_state(
+    meta: CheckpointMeta, *, seed: int, batch_size: int, epoch_splits: int, total_epochs: int
+) -> ResumeState:
+    """What ``meta`` seeds into this run's coordinator.
+
+    ``uncovered`` holds the ranges of the ``per_epoch`` entry of ``meta.epoch`` (``None``
+    without one: that epoch restarts whole).
+
+    Raises:
+        CheckpointError: the coverage was made with another seed, batch size or epoch split,
+            or ``meta.epoch`` is past this run's ``total_epochs``.
+    """
+    where = meta.source if meta.source is not None else "checkpoint meta"
+    if meta.epoch > total_epochs:
+        raise CheckpointError(
+            f"{where}: the checkpoint is at epoch {meta.epoch}, this run has only "
+            f"{total_epochs} epochs"
+        )
+    uncovered: tuple[tuple[int, int], ...] | None = None
+    cov = meta.coverage
+    if cov is not None:
+        for name, saved, ours in (
+            ("seed", cov.seed, seed),
+            ("batch size", cov.batch_size, batch_size),
+            ("epoch_splits", cov.epoch_splits, epoch_splits),
+        ):
+            if saved != ours:
+                raise CheckpointError(
+                    f"{where}: the checkpoint was made with {name} {saved}, this run uses "
+                    f"{ours}: resume needs the same {name}"
+                )
+        for entry in cov.per_epoch:
+            if entry.epoch == meta.epoch:
+                uncovered = tuple(sorted((o, n) for o, n in entry.uncovered_ranges))
+    return ResumeState(
+        epoch=meta.epoch,
+        global_step=meta.global_step,
+        sync_round=meta.sync_round,
+        elche=meta.elche,
+        uncovered=uncovered,
+    )
