@@ -20,7 +20,12 @@ Faults (``kind``):
   the upload or the collective);
 * ``kill_in_callback`` / ``kill_in_checkpoint``: SIGKILL inside the next callback
   (``epoch_fn``, eval, ``checkpoint_fn``) or bundle save (after the optimizer state, before
-  the model file) on that rank.
+  the model file) on that rank;
+* ``kill_after_save``: SIGKILL after the rank wrote its part of the next bundle (its optimizer
+  state, and the model file when it is the writer) and before it reports it;
+* ``kill_coordinator_in_save``: when the rank is the writer of the next bundle, it SIGKILLs its
+  parent (the launcher, which runs the coordinator) after the model file is on disk and before
+  the meta can commit it; the ranks then lose their coordinator.
 
 Each fault is recorded when it fires (``kind: "event"``, class ``chaos``, at node
 ``root/chaos`` of the record log, wall-clock ``ts``) so :func:`recovery_table` can join it with
@@ -70,6 +75,8 @@ FaultKind = Literal[
     "kill_in_reduce",
     "kill_in_callback",
     "kill_in_checkpoint",
+    "kill_after_save",
+    "kill_coordinator_in_save",
 ]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 SIGNAL_KINDS = {"KILL": "kill", "STOP": "stop", "CONT": "stop"}
@@ -241,14 +248,24 @@ class RankChaos:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def in_save(self) -> None:
+        """Between the optimizer state and the model file of a bundle save."""
         if self._armed.pop("kill_in_checkpoint", None) is not None:
             self._record("kill_in_checkpoint", None)
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def after_save(self, *, wrote_model: bool) -> None:
+        """After this rank's part of a bundle is on disk, before it reports it."""
+        if self._armed.pop("kill_after_save", None) is not None:
+            self._record("kill_after_save", None)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if wrote_model and self._armed.pop("kill_coordinator_in_save", None) is not None:
+            self._record("kill_coordinator_in_save", None)
+            os.kill(os.getppid(), signal.SIGKILL)
+
     # ------------------------------------------------------------------ faults
     def _fire(self, fault: Fault, step: int) -> None:
         kind = fault.kind
-        if kind in ("delay_reduce", "kill_in_reduce", "kill_in_callback", "kill_in_checkpoint"):
+        if kind in _AT_A_HOOK:
             self._armed[kind] = fault  # fires at its hook
             if kind == "delay_reduce":
                 self._record(kind, step, duration_s=fault.duration_s)
@@ -285,6 +302,18 @@ class RankChaos:
         with RecordLog(self.record_dir) as log:
             log.write(make_record("root/chaos", "event", data, sev="warning"))
 
+
+_AT_A_HOOK = frozenset(
+    {
+        "delay_reduce",
+        "kill_in_reduce",
+        "kill_in_callback",
+        "kill_in_checkpoint",
+        "kill_after_save",
+        "kill_coordinator_in_save",
+    }
+)
+"""Faults armed at their trigger and fired at the runtime hook they name."""
 
 _WAKER = (
     "import os, signal, sys, time\n"

@@ -14,6 +14,7 @@ the cooperative :class:`~flodl.worker.Worker` (whose user owns it) drive it.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from flodl import checkpoint
-from flodl.coord.resume import META_SCHEMA_VERSION
+from flodl.coord.resume import META_SCHEMA_VERSION, bundle_tag
 from flodl.errors import CheckpointError, FlodlError
 from flodl.rank.snapshot import TrainedState, model_signature
 from flodl.rank.step import (
@@ -92,6 +93,7 @@ class LocalRun:
         self._pending: tuple[float, float] | None = None
         self._sums = StepSums()
         self._done = False
+        self._saves = 0
         if job.resume_from is not None:
             self._resume(job.resume_from)
 
@@ -108,8 +110,9 @@ class LocalRun:
         bundle = restore_bundle(self.job, self.model, self.optim, 0)
         if bundle is not None and bundle.global_step != meta.global_step:
             raise CheckpointError(
-                f"{stem}.fdl is from global step {bundle.global_step} but {stem}.meta.json from "
-                f"{meta.global_step}: the two come from different saves"
+                f"{bundle.path} is from global step {bundle.global_step} but "
+                f"{checkpoint.meta_path(stem)} from {meta.global_step}: the two come from "
+                "different saves"
             )
         self.start_epoch = state.epoch
         self.global_step = state.global_step
@@ -271,11 +274,14 @@ class LocalRun:
             timed_callback("eval_result_fn", lambda: result_fn(epoch, metric))
 
     def _save_bundle(self, next_epoch: int) -> None:
-        """Model, optimizer state and meta (in that order: the meta commits the bundle). A
-        failed write is logged and training goes on."""
+        """Model and optimizer state under a new tag, then the meta that commits them (the
+        previous bundle stays the resume point until it is written). A failed write is logged
+        and training goes on."""
         stem = self.job.save_path
         if stem is None:
             return
+        self._saves += 1
+        tag = bundle_tag(self.global_step, self._saves, random.getrandbits(24))
         try:
             checkpoint.save_model(
                 stem,
@@ -285,11 +291,17 @@ class LocalRun:
                 global_step=self.global_step,
                 sync_round=0,
                 epoch=next_epoch,
+                tag=tag,
             )
             checkpoint.save_optim(
-                stem, 0, self.optim.state_dict(), global_step=self.global_step, sync_round=0
+                stem,
+                0,
+                self.optim.state_dict(),
+                global_step=self.global_step,
+                sync_round=0,
+                tag=tag,
             )
-            checkpoint.write_meta(stem, self._meta(next_epoch))
+            checkpoint.commit_bundle(stem, {**self._meta(next_epoch), "bundle_tag": tag})
         except Exception:
             logger.exception("saving the checkpoint bundle %s failed (training continues)", stem)
 

@@ -58,7 +58,9 @@ from flodl.checkpoint.meta import (
     CheckpointMeta,
     Coverage,
     EpochCoverage,
+    commit_bundle,
     read_meta,
+    resolve_tag,
     resume_state,
     write_meta,
 )
@@ -109,6 +111,8 @@ __all__ = [
     "Coverage",
     "CheckpointMeta",
     "write_meta",
+    "commit_bundle",
+    "resolve_tag",
     "read_meta",
     "resume_state",
     # S.rank<N>.death.json

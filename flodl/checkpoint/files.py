@@ -13,10 +13,11 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import IO, TypeGuard
 
+from flodl.coord.resume import TAG_PATTERN, bundle_tag
 from flodl.errors import CheckpointError, ConfigError
 
 __all__ = [
@@ -34,18 +35,11 @@ __all__ = [
     "is_int",
 ]
 
-TAG_PATTERN = r"b\d{1,20}-\d{1,10}-[0-9a-f]{6}"
-"""A save's tag: ``b<global step>-<bundle version>-<6 hex>``."""
 _TAG = re.compile(TAG_PATTERN + r"\Z")
 _DATA = r"(?:\.outer\.fdl|\.fdl|\.rank\d+\.optim)"
 _BUNDLE_SUFFIX = re.compile(
     rf"(?:(?:\.{TAG_PATTERN})?{_DATA}|\.meta\.json|\.rank\d+\.death\.json)\Z"
 )
-
-
-def bundle_tag(global_step: int, version: int, salt: int) -> str:
-    """The tag of a save (``salt``: 24 random bits, so saves of two runs on one stem differ)."""
-    return f"b{global_step}-{version}-{salt & 0xFFFFFF:06x}"
 
 
 def is_int(value: object) -> TypeGuard[int]:
@@ -173,14 +167,16 @@ def write_or_raise(path: Path, fill: Callable[[IO[bytes]], object]) -> Path:
 # --- superseded saves ------------------------------------------------------------------------
 
 
-def remove_superseded(stem: str | os.PathLike[str], keep: str) -> list[Path]:
-    """Remove the data files of every save of ``stem`` older than the tag ``keep`` (the one the
-    meta on disk names) and the untagged files of the original layout, with the temporary
-    files their killed writers left. Files of ``keep`` and of newer saves (still being
-    written) stay. Best effort; returns what was removed."""
+def remove_superseded(
+    stem: str | os.PathLike[str], keep: str, *, in_flight: Collection[str] = ()
+) -> list[Path]:
+    """Remove the data files of every save of ``stem`` but ``keep`` (the tag the meta on disk
+    names) and the saves still being written (``in_flight``), with the untagged files of the
+    original layout and the temporary files of killed writers. Best effort; returns what was
+    removed."""
     base = Path(normalize_stem(stem))
     data = re.compile(re.escape(base.name) + rf"(?:\.({TAG_PATTERN}))?{_DATA}(?:\.tmp\.\d+)?\Z")
-    order = _order(keep)
+    spared = {keep, *in_flight}
     removed: list[Path] = []
     try:
         names = os.listdir(base.parent)
@@ -188,20 +184,10 @@ def remove_superseded(stem: str | os.PathLike[str], keep: str) -> list[Path]:
         return removed
     for name in sorted(names):
         match = data.match(name)
-        if match is None:
-            continue
-        tag = match.group(1)
-        if tag is not None and _order(tag) >= order:
+        if match is None or match.group(1) in spared:
             continue
         path = base.parent / name
         with contextlib.suppress(OSError):
             path.unlink()
             removed.append(path)
     return removed
-
-
-def _order(tag: str) -> tuple[int, int]:
-    """(global step, bundle version) of a tag: saves of a run, and of the runs that resume it,
-    come in this order."""
-    step, version, _ = tag[1:].split("-")
-    return int(step), int(version)

@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Self, get_args
 
@@ -36,9 +36,9 @@ from pydantic import (
     model_validator,
 )
 
-from flodl.checkpoint.files import TAG_PATTERN, is_int, meta_path, write_or_raise
+from flodl.checkpoint.files import is_int, meta_path, remove_superseded, write_or_raise
 from flodl.coord.elche import ElCheState
-from flodl.coord.resume import META_SCHEMA_VERSION, ResumeState
+from flodl.coord.resume import META_SCHEMA_VERSION, TAG_PATTERN, ResumeState
 from flodl.errors import CheckpointError, ConfigError
 from flodl.wire.frames import SaveReason
 
@@ -50,6 +50,8 @@ __all__ = [
     "Coverage",
     "CheckpointMeta",
     "write_meta",
+    "commit_bundle",
+    "resolve_tag",
     "read_meta",
     "resume_state",
     "validation_problem",
@@ -227,6 +229,24 @@ def write_meta(stem: str | os.PathLike[str], meta: Mapping[str, Any]) -> Path:
     return write_or_raise(path, lambda f: f.write(text.encode()))
 
 
+def commit_bundle(
+    stem: str | os.PathLike[str], meta: Mapping[str, Any], *, in_flight: Collection[str] = ()
+) -> Path:
+    """Commit a save: write the meta that names its tag (the switch of the resume point),
+    then remove the files of every other save but those still being written (``in_flight``):
+    older ones, and killed ones.
+
+    Raises:
+        CheckpointError: the meta is invalid or could not be written; nothing was removed and
+            the previous bundle is still the resume point.
+    """
+    path = write_meta(stem, meta)
+    tag = meta.get("bundle_tag")
+    if isinstance(tag, str):
+        remove_superseded(stem, tag, in_flight=in_flight)
+    return path
+
+
 def read_meta(stem: str | os.PathLike[str], *, world_size: int | None = None) -> CheckpointMeta:
     """Read and validate ``S.meta.json``.
 
@@ -267,6 +287,18 @@ def read_meta(stem: str | os.PathLike[str], *, world_size: int | None = None) ->
         )
     meta._source = path
     return meta
+
+
+def resolve_tag(stem: str | os.PathLike[str], tag: str | None = None) -> str | None:
+    """``tag``, or — without one — the tag of the committed save (the meta's; ``None``, the
+    untagged names, when there is no meta or it names no tag).
+
+    Raises:
+        CheckpointError: the meta exists but cannot be read.
+    """
+    if tag is not None or not meta_path(stem).exists():
+        return tag
+    return read_meta(stem).bundle_tag
 
 
 def resume_state(

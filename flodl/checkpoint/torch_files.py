@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from flodl.checkpoint.files import is_int, model_path, optim_path, outer_path, write_or_raise
+from flodl.checkpoint.meta import resolve_tag
 from flodl.errors import CheckpointError
 
 __all__ = [
@@ -234,13 +235,13 @@ def save_model(
 
 
 def load_model(stem: str | os.PathLike[str], tag: str | None = None) -> ModelBundle:
-    """Read ``S.<tag>.fdl``.
+    """Read ``S.<tag>.fdl`` (without a tag: the committed save's, the one the meta names).
 
     Raises:
         CheckpointError: the file is missing, not a torch file, truncated, not a ``flodl.fdl``,
             from a newer flodl, or holds fields of the wrong type.
     """
-    path = model_path(stem, tag)
+    path = model_path(stem, resolve_tag(stem, tag))
     obj = _load_torch(path, MODEL_FORMAT)
     signature = obj.get("signature")
     if not isinstance(signature, str):
@@ -305,13 +306,14 @@ def save_optim(
 def load_optim(
     stem: str | os.PathLike[str], rank: int, tag: str | None = None
 ) -> OptimBundle | None:
-    """Read ``S.<tag>.rank<N>.optim``; ``None`` when that file does not exist.
+    """Read ``S.<tag>.rank<N>.optim`` (without a tag: the committed save's); ``None`` when
+    that file does not exist.
 
     Raises:
         CheckpointError: the file is corrupt, not a ``flodl.optim``, from a newer flodl, or
             saved by another rank.
     """
-    path = optim_path(stem, rank, tag)
+    path = optim_path(stem, rank, resolve_tag(stem, tag))
     if not path.exists():
         return None
     obj = _load_torch(path, OPTIM_FORMAT)
@@ -369,12 +371,13 @@ def save_outer(
 
 
 def load_outer(stem: str | os.PathLike[str], tag: str | None = None) -> OuterBundle | None:
-    """Read ``S.<tag>.outer.fdl``; ``None`` when it does not exist (zero momentum).
+    """Read ``S.<tag>.outer.fdl`` (without a tag: the committed save's); ``None`` when it does
+    not exist (zero momentum).
 
     Raises:
         CheckpointError: the file is corrupt, not a ``flodl.outer`` or from a newer flodl.
     """
-    path = outer_path(stem, tag)
+    path = outer_path(stem, resolve_tag(stem, tag))
     if not path.exists():
         return None
     obj = _load_torch(path, OUTER_FORMAT)

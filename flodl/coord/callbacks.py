@@ -24,6 +24,7 @@ Pure module. Rules:
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ from flodl.coord.effects import Alert, BundleRequested, Effect, EvalDone, Record
 from flodl.coord.elche import ElChe
 from flodl.coord.ledger import EpochWork
 from flodl.coord.membership import Membership
+from flodl.coord.resume import bundle_tag
 from flodl.coord.roles import CheckpointRetry, Roles
 from flodl.wire.frames import (
     BundleSaved,
@@ -68,12 +70,14 @@ class Callbacks:
         membership: Membership,
         paths: Sequence[str],
         meta_record: MetaRecord,
+        rng: random.Random,
     ) -> None:
         self.config = config
         self.traits = config.elche.traits
         self.membership = membership
         self.paths = paths
         self._meta_record = meta_record
+        self._rng = rng
         self.roles = Roles(config.epoch_callback_policy)
         self.intents: set[str] = set()
         self.checkpoints: dict[int, CheckpointRetry] = {}
@@ -109,7 +113,7 @@ class Callbacks:
         for _version, retry in sorted(self.checkpoints.items()):
             if retry.target == rank:
                 self._retry_checkpoint(retry, f"rank {rank} died", out)
-        self.failover_bundles(rank, out, shutting_down=False)
+        self.failover_bundles(rank, out, ranks_stopped=False)
 
     def observe_epoch_fn(self, rank: int, elapsed_ms: float) -> None:
         self.roles.observe_cost("epoch_fn", rank, elapsed_ms)
@@ -240,8 +244,10 @@ class Callbacks:
         self._bundle_seq += 1
         retry = CheckpointRetry(version=version)
         retry.first(writer)
-        self.bundles[version] = (retry, self._meta_record(reason), detail)
-        out.append(BundleRequested(version))
+        meta = self._meta_record(reason)
+        meta["bundle_tag"] = bundle_tag(meta["global_step"], version, self._rng.getrandbits(24))
+        self.bundles[version] = (retry, meta, detail)
+        out.append(BundleRequested(version, meta["bundle_tag"]))
         out.extend(self.membership.broadcast(self._bundle_frame(version, writer)))
 
     def _bundle_frame(self, version: int, writer: int) -> CoordFrame:
@@ -252,9 +258,10 @@ class Callbacks:
             global_step=meta["global_step"],
             sync_round=meta["sync_round"],
             epoch=meta["epoch"],
+            tag=meta["bundle_tag"],
         )
 
-    def on_bundle_saved(self, res: BundleSaved, out: list[Effect], *, shutting_down: bool) -> None:
+    def on_bundle_saved(self, res: BundleSaved, out: list[Effect], *, ranks_stopped: bool) -> None:
         self.roles.observe_cost("checkpoint", res.rank, res.elapsed_ms)
         pending = self.bundles.get(res.version)
         if pending is None or pending[0].target != res.rank:
@@ -282,18 +289,32 @@ class Callbacks:
                 )
             return
         why = f"rank {res.rank}: {res.error or 'no model file written'}"
-        self._retry_bundle(res.version, why, out, shutting_down=shutting_down)
+        self._retry_bundle(res.version, why, out, ranks_stopped=ranks_stopped)
 
-    def failover_bundles(self, dead: int, out: list[Effect], *, shutting_down: bool) -> None:
+    def abandon_bundles(self, why: str, out: list[Effect]) -> None:
+        """Give up every pending bundle (the previous one stays the resume point)."""
+        for version in sorted(self.bundles):
+            detail = self.bundles.pop(version)[2]
+            out.append(
+                Alert(
+                    "checkpoint_failed",
+                    "root",
+                    f"bundle {version} ({detail}) {why}; the previous checkpoint stays the one "
+                    "to resume from",
+                )
+            )
+
+    def failover_bundles(self, dead: int, out: list[Effect], *, ranks_stopped: bool) -> None:
         for version in sorted(self.bundles):
             if self.bundles[version][0].target == dead:
-                self._retry_bundle(version, f"rank {dead} died", out, shutting_down=shutting_down)
+                self._retry_bundle(version, f"rank {dead} died", out, ranks_stopped=ranks_stopped)
 
     def _retry_bundle(
-        self, version: int, why: str, out: list[Effect], *, shutting_down: bool
+        self, version: int, why: str, out: list[Effect], *, ranks_stopped: bool
     ) -> None:
         retry, _, detail = self.bundles[version]
-        nxt = None if shutting_down else retry.next_target(self.membership.alive())
+        # once the ranks were told to stop, none is left to take the save over
+        nxt = None if ranks_stopped else retry.next_target(self.membership.alive())
         if nxt is None:
             del self.bundles[version]
             out.append(

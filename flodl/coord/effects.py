@@ -97,10 +97,12 @@ class WriteMeta:
 
 @dataclass(frozen=True, slots=True)
 class BundleRequested:
-    """Bundle ``version`` was requested from the ranks: the shell snapshots the state it owns
-    for that bundle (the CPU outer optimizer's), to write with the matching :class:`WriteMeta`."""
+    """Bundle ``version`` was requested from the ranks, its files tagged ``tag``: the shell
+    snapshots the state it owns for that bundle (the CPU outer optimizer's), to write with the
+    matching :class:`WriteMeta`, and spares its files while it is being written."""
 
     version: int
+    tag: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

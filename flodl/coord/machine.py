@@ -59,6 +59,7 @@ from flodl.wire.frames import (
     Batch,
     BundleSaved,
     CheckpointResult,
+    CoordFrame,
     CoordHeartbeat,
     EpochFnElapsed,
     EpochPlan,
@@ -138,7 +139,7 @@ class Coordinator:
         self.windows = [RankWindow() for _ in range(w)]
         self.reporting = Reporting(config, self.membership)
         self.paths = self.reporting.paths
-        self.callbacks = Callbacks(config, self.membership, self.paths, self.meta_record)
+        self.callbacks = Callbacks(config, self.membership, self.paths, self.meta_record, self.rng)
         self.dispatch = Dispatch(
             config, self.membership, self.elche, self.cycle, self.windows, self._epoch_opened
         )
@@ -153,6 +154,11 @@ class Coordinator:
             MetaController() if el.meta_controller else None,
         )
         self.last_progress_at = 0.0
+        self._stop: CoordFrame | None = None
+        """The stop frame (``shutdown`` / ``shutdown_with_save``) held until the stop bundle
+        commits: its writers must not exit before a failover can reach them."""
+        self._stop_sent = False
+        self._stop_deadline_at: float | None = None
         self._stall_ceiling_s = config.stall_ceiling_s
         self._join_deadline_at: float | None = None
         self._heartbeat_at: float | None = None
@@ -209,6 +215,11 @@ class Coordinator:
         for r in self.membership.stale(now):
             timeout = self.membership.timeouts.heartbeat_s
             self._declare_dead(r, f"no frame for {timeout:g} s (heartbeat timeout)", now, out)
+        if self._stop_deadline_at is not None and now >= self._stop_deadline_at:
+            self.callbacks.abandon_bundles(
+                f"not committed within {self._stall_ceiling_s:g} s of the stop", out
+            )
+            self._maybe_release_stop(out)
         progress_at = self._progress_deadline()
         if progress_at is not None and now >= progress_at:
             detail = (
@@ -216,7 +227,7 @@ class Coordinator:
                 f"{self.config.stall_ceiling_s:g} s): the cohort is wedged"
             )
             out.append(Alert("reduce_stall", "root", detail, "critical"))
-            self._shutdown_with_save("reduce_stall", detail, out)
+            self._shutdown_with_save("reduce_stall", detail, now, out)
         stall_at = self.cycle.stall_deadline(self.config.stall_ceiling_s)
         if stall_at is not None and now >= stall_at and self.save_reason is None:
             waiting = sorted(self.cycle.expected - set(self.cycle.acked))
@@ -226,7 +237,7 @@ class Coordinator:
                 f"{self.config.stall_ceiling_s:g} s); waiting for ranks {waiting}"
             )
             out.append(Alert("reduce_stall", "root", detail, "critical"))
-            self._shutdown_with_save("reduce_stall", detail, out)
+            self._shutdown_with_save("reduce_stall", detail, now, out)
         return out
 
     def next_deadline(self) -> float | None:
@@ -243,6 +254,9 @@ class Coordinator:
         join_at = self._join_deadline_at if phase is RunPhase.FORMING else None
         if join_at is not None and (best is None or join_at < best):
             best = join_at
+        stop_at = self._stop_deadline_at
+        if stop_at is not None and (best is None or stop_at < best):
+            best = stop_at
         if self.save_reason is None:
             cycle = self.cycle
             if cycle.phase is CyclePhase.PENDING:
@@ -363,7 +377,7 @@ class Coordinator:
             if dispatch.works:
                 break
             if dispatch.next_epoch >= self.config.total_epochs:
-                self._end_of_training(out)
+                self._end_of_training(now, out)
                 return
             dispatch.open_epoch(dispatch.next_epoch, now, out)
         if self.phase is not RunPhase.TRAINING:
@@ -373,29 +387,46 @@ class Coordinator:
                 dispatch.dispatch(r, now, out)
         self._maybe_trigger(now, out)
 
-    def _end_of_training(self, out: list[Effect]) -> None:
+    def _end_of_training(self, now: float, out: list[Effect]) -> None:
         # checkpoint_fn for the last epoch; its bundle is the end-of-run one
         self.callbacks.maybe_checkpoint(self.config.total_epochs - 1, out, bundle=False)
         if self.callbacks.start_final_eval(out):
             self._enter(RunPhase.FINAL_EVAL, "every epoch trained: the final eval")
             return
-        self._begin_shutdown("every epoch trained", out)
+        self._begin_shutdown("every epoch trained", now, out)
 
-    def _begin_shutdown(self, why: str, out: list[Effect]) -> None:
+    def _begin_shutdown(self, why: str, now: float, out: list[Effect]) -> None:
         self.callbacks.request_bundle("graceful_shutdown", "end of run", out)
         self._enter(RunPhase.SHUTDOWN, why)
-        out.extend(self.membership.broadcast(Shutdown()))
+        self._stop_ranks(Shutdown(), now, out)
         self._maybe_done(out)
 
-    def _shutdown_with_save(self, reason: SaveReason, detail: str, out: list[Effect]) -> None:
+    def _shutdown_with_save(
+        self, reason: SaveReason, detail: str, now: float, out: list[Effect]
+    ) -> None:
         if self.save_reason is not None or self.phase in (RunPhase.SHUTDOWN, RunPhase.DONE):
             return
         self.save_reason = reason
         self.callbacks.request_bundle(reason, detail, out)
         self._enter(RunPhase.SHUTDOWN, f"shutdown_with_save ({reason}): {detail}")
-        out.extend(self.membership.broadcast(ShutdownWithSave(reason=reason, detail=detail[:4096])))
+        self._stop_ranks(ShutdownWithSave(reason=reason, detail=detail[:4096]), now, out)
         out.append(Record("root", "shutdown", {"shutdown_with_save": reason, "detail": detail}))
         self._maybe_done(out)
+
+    def _stop_ranks(self, frame: CoordFrame, now: float, out: list[Effect]) -> None:
+        """Tell every live rank the run is over, once every pending bundle is committed (or
+        abandoned): a writer that fails or dies must still find a live rank to fail over to."""
+        self._stop = frame
+        if self.callbacks.bundles:
+            self._stop_deadline_at = now + self._stall_ceiling_s
+        self._maybe_release_stop(out)
+
+    def _maybe_release_stop(self, out: list[Effect]) -> None:
+        if self._stop is None or self.callbacks.bundles:
+            return
+        frame, self._stop, self._stop_deadline_at = self._stop, None, None
+        self._stop_sent = True
+        out.extend(self.membership.broadcast(frame))
 
     def _maybe_done(self, out: list[Effect]) -> None:
         if self.phase is RunPhase.SHUTDOWN and self.membership.alive_count() == 0:
@@ -469,7 +500,8 @@ class Coordinator:
             return
         if self.phase is RunPhase.SHUTDOWN:
             self._forfeit(rank, out, redistribute=False)  # its work stays uncovered
-            self.callbacks.failover_bundles(rank, out, shutting_down=True)
+            self.callbacks.failover_bundles(rank, out, ranks_stopped=self._stop_sent)
+            self._maybe_release_stop(out)
             self._maybe_done(out)
             return
         self.elche.mark_dead(rank)
@@ -484,7 +516,7 @@ class Coordinator:
             # being handed to survivors that are about to stop.
             self._forfeit(rank, out, redistribute=verdict is None)
         if verdict is not None:
-            self._shutdown_with_save(verdict[0], verdict[1], out)
+            self._shutdown_with_save(verdict[0], verdict[1], now, out)
             return
         self.callbacks.on_death(rank, self.elche.smoothed_ms, out)
         if not self.traits.cpu_averaging:
@@ -492,7 +524,7 @@ class Coordinator:
         self.callbacks.send_roles_if_dirty(out)
         if self.phase is RunPhase.FINAL_EVAL:
             if not self.callbacks.retry_final_eval(out):
-                self._begin_shutdown("the eval role died during the final eval", out)
+                self._begin_shutdown("the eval role died during the final eval", now, out)
             return
         if self.cycle.ready():
             self._finalize_cycle(now, out)
@@ -536,13 +568,12 @@ class Coordinator:
                         self.callbacks.on_eval_result(frame, out)
                         and self.phase is RunPhase.FINAL_EVAL
                     ):
-                        self._begin_shutdown("the final eval finished", out)
+                        self._begin_shutdown("the final eval finished", now, out)
                 case CheckpointResult():
                     self.callbacks.on_checkpoint_result(frame, out)
                 case BundleSaved():
-                    self.callbacks.on_bundle_saved(
-                        frame, out, shutting_down=self.phase is RunPhase.SHUTDOWN
-                    )
+                    self.callbacks.on_bundle_saved(frame, out, ranks_stopped=self._stop_sent)
+                    self._maybe_release_stop(out)
                 case EpochFnElapsed():
                     self.callbacks.observe_epoch_fn(rank, frame.elapsed_ms)
                 case ResourceSample():

@@ -9,11 +9,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flodl.coord.elche import ElCheState
+from flodl.wire.frames import BUNDLE_TAG_PATTERN
 
-__all__ = ["META_SCHEMA_VERSION", "ResumeState"]
+__all__ = ["META_SCHEMA_VERSION", "TAG_PATTERN", "bundle_tag", "ResumeState"]
 
 META_SCHEMA_VERSION = 3
 """The meta's ``schema_version`` (the original's field names, plus the coverage block)."""
+
+TAG_PATTERN = BUNDLE_TAG_PATTERN
+
+
+def bundle_tag(global_step: int, version: int, salt: int) -> str:
+    """The tag of a save (``salt``: 24 random bits, so saves of two runs on one stem differ)."""
+    return f"b{global_step}-{version}-{salt & 0xFFFFFF:06x}"
 
 
 @dataclass(frozen=True, slots=True)

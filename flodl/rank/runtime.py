@@ -472,6 +472,7 @@ class RankLoop:
                     self.optim.state_dict(),
                     global_step=frame.global_step,
                     sync_round=frame.sync_round,
+                    tag=frame.tag,
                 )
             except Exception as exc:
                 logger.exception("rank %d: saving its optimizer state failed", rank)
@@ -488,15 +489,18 @@ class RankLoop:
                         global_step=frame.global_step,
                         sync_round=frame.sync_round,
                         epoch=frame.epoch,
+                        tag=frame.tag,
                     )
                     wrote = True
                     if self.outer is not None and self.outer.state():
                         checkpoint.save_outer(
-                            stem, self.outer.state(), global_step=frame.global_step
+                            stem, self.outer.state(), global_step=frame.global_step, tag=frame.tag
                         )
                 except Exception as exc:  # a failed save never kills training
                     logger.exception("rank %d: saving bundle %d failed", rank, frame.version)
                     errors.append(f"{type(exc).__name__}: {exc}")
+            if self.chaos is not None:
+                self.chaos.after_save(wrote_model=wrote)
         self._send(
             BundleSaved(
                 rank=rank,

@@ -198,16 +198,19 @@ def restore_bundle(
     placement) the outer optimizer state. A missing or stale optimizer/outer file is warned
     about and that state starts fresh; a missing or foreign model file raises.
 
+    The files are the ones the bundle's meta names (its save's tag).
+
     Raises:
-        CheckpointError: the model file is missing, corrupt or from another model.
+        CheckpointError: the meta or the model file is missing, corrupt or from another model.
     """
     stem = job.resume_from
     if stem is None:
         return None
-    bundle = checkpoint.load_model(stem)
+    tag = checkpoint.read_meta(stem).bundle_tag
+    bundle = checkpoint.load_model(stem, tag)
     bundle.load_into(model, model_signature(model))
     try:
-        saved = checkpoint.load_optim(stem, rank)
+        saved = checkpoint.load_optim(stem, rank, tag)
     except CheckpointError as exc:
         logger.warning("rank %d: optimizer state not restored (%s); starting it fresh", rank, exc)
         saved = None
@@ -224,7 +227,7 @@ def restore_bundle(
         optim.load_state_dict(saved.state)
     if outer is not None and not outer.config.is_identity:
         try:
-            state = checkpoint.load_outer(stem)
+            state = checkpoint.load_outer(stem, tag)
             if state is not None and state.global_step == bundle.global_step:
                 outer.restore(state.state, list(model.parameters()))
             else:

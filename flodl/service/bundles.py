@@ -25,18 +25,25 @@ logger = logging.getLogger(__name__)
 
 class BundleWriter:
     """The coordinator's part of a checkpoint bundle: the CPU outer optimizer's state as of the
-    request, then the meta that commits the bundle (the ranks already wrote the model file).
+    request, then the meta that commits the bundle (the ranks already wrote the model file
+    under the save's tag), then the removal of superseded saves.
 
-    A failed write is logged and costs only this checkpoint, never the run.
+    Metas commit in the order of their saves: a save that completes after a newer one was
+    committed is not written (it would move the resume point back). A failed write is logged
+    and costs only this checkpoint, never the run.
     """
 
     def __init__(self, stem: str | None, service: CoordinatorService | None = None) -> None:
         self.stem = stem
         self.service = service
         self._outer: dict[int, dict[str, list[torch.Tensor]]] = {}
+        self._in_flight: dict[int, str] = {}
+        self._last: tuple[int, int] | None = None
         self.written: list[str] = []
 
     def bundle_requested(self, effect: BundleRequested) -> None:
+        if effect.tag is not None:
+            self._in_flight[effect.version] = effect.tag
         if self.stem is not None and self.service is not None:
             state = self.service.outer_state()
             if state:
@@ -44,17 +51,29 @@ class BundleWriter:
 
     def write_meta(self, effect: WriteMeta) -> None:
         outer = self._outer.pop(effect.version, None) if effect.version is not None else None
+        if effect.version is not None:
+            self._in_flight.pop(effect.version, None)
         if self.stem is None:
             return
+        meta = effect.meta
+        order = (int(meta["global_step"]), effect.version or 0)
+        if self._last is not None and order < self._last:
+            logger.warning(
+                "bundle %s completed after a newer one was committed: not written", effect.version
+            )
+            return
+        tag = meta.get("bundle_tag")
         try:
             if outer:
-                checkpoint.save_outer(self.stem, outer, global_step=effect.meta["global_step"])
-            checkpoint.write_meta(self.stem, effect.meta)
+                step = meta["global_step"]
+                checkpoint.save_outer(self.stem, outer, global_step=step, tag=tag)
+            checkpoint.commit_bundle(self.stem, meta, in_flight=self._in_flight.values())
         except Exception:
             logger.exception(
                 "writing the checkpoint meta for %s failed (training continues)", self.stem
             )
             return
+        self._last = order
         self.written.append(str(effect.reason))
         logger.info("checkpoint %s saved (%s)", self.stem, effect.reason)
 
@@ -77,16 +96,18 @@ def resume_from_bundle(
         epoch_splits=coord_cfg.epoch_splits,
         total_epochs=coord_cfg.total_epochs,
     )
-    bundle = checkpoint.load_model(stem)
+    tag = meta.bundle_tag
+    bundle = checkpoint.load_model(stem, tag)
     if bundle.global_step != meta.global_step:
         raise CheckpointError(
-            f"{stem}.fdl is from global step {bundle.global_step} but {stem}.meta.json from "
-            f"{meta.global_step}: the two come from different saves"
+            f"{bundle.path} is from global step {bundle.global_step} but "
+            f"{checkpoint.meta_path(stem)} from {meta.global_step}: the two come from "
+            "different saves"
         )
     outer = None
     if coord_cfg.elche.traits.cpu_averaging:
         try:
-            saved = checkpoint.load_outer(stem)
+            saved = checkpoint.load_outer(stem, tag)
         except CheckpointError as exc:
             logger.warning("outer optimizer state not restored (%s): zero momentum", exc)
             saved = None

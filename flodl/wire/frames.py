@@ -87,11 +87,16 @@ __all__ = [
     "CoordFrame",
     "FRAME_ADAPTER",
     "FRAME_KINDS",
+    "BUNDLE_TAG_PATTERN",
     "RANK_FRAME_KINDS",
     "COORD_FRAME_KINDS",
 ]
 
 PROTOCOL_VERSION = 2
+
+BUNDLE_TAG_PATTERN = r"b\d{1,20}-\d{1,10}-[0-9a-f]{6}"
+"""A checkpoint save's tag, on its files and in the meta that commits them:
+``b<global step>-<bundle version>-<6 hex>``."""
 """Bumped on any incompatible change of a frame or of the codec."""
 
 MAX_WORLD_SIZE = 65_536
@@ -458,10 +463,12 @@ class Checkpoint(_Frame):
 
 
 class SaveConsensusModel(_Frame):
-    """Write the checkpoint bundle ``version``: every rank writes its ``<stem>.rank<N>.optim``,
-    ``target_rank`` also the consensus model ``<stem>.fdl`` (and, collective modes, the outer
-    optimizer state); each answers ``bundle_saved``. ``global_step``/``sync_round`` are stamped
-    into the files so a resume can tell they belong to the meta of the same save."""
+    """Write the checkpoint bundle ``version``: every rank writes its
+    ``<stem>.<tag>.rank<N>.optim``, ``target_rank`` also the consensus model
+    ``<stem>.<tag>.fdl`` (and, collective modes, the outer optimizer state); each answers
+    ``bundle_saved``. ``global_step``/``sync_round`` are stamped into the files so a resume can
+    tell they belong to the meta of the same save; ``tag`` (``None``: the untagged names of the
+    original layout) keeps them apart from the files the current meta names."""
 
     kind: Literal["save_consensus_model"] = "save_consensus_model"
     target_rank: RankId
@@ -469,6 +476,7 @@ class SaveConsensusModel(_Frame):
     global_step: Count = 0
     sync_round: Count = 0
     epoch: Count = 0
+    tag: Annotated[str, Field(pattern=f"^{BUNDLE_TAG_PATTERN}$")] | None = None
 
 
 class ExecuteEval(_Frame):

@@ -50,6 +50,7 @@ FATAL = (
     "kill_in_reduce",
     "kill_in_callback",
     "kill_in_checkpoint",
+    "kill_after_save",
 )
 FIRED: list[dict[str, Any]] = []  # every fault that fired, across the session
 
@@ -61,7 +62,7 @@ def plan_for(mode: str, index: int) -> tuple[ChaosPlan, dict[str, Any]]:
     fatal_kinds = [k for k in FATAL if mode.startswith("cpu_") or k != "close_data"]
     fatal = fatal_kinds[index % len(fatal_kinds)]
     first_step = rng.choice((0, rng.randint(1, 30), rng.randint(30, 70)))
-    if fatal in ("kill_in_callback", "kill_in_checkpoint"):
+    if fatal in ("kill_in_callback", "kill_in_checkpoint", "kill_after_save"):
         first_step = rng.randint(1, 20)  # armed early, fires at the next callback/save
     faults = (
         Fault(fatal, ranks[0], step=first_step),

@@ -120,6 +120,11 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return stems
 
 
+def model_file(stem: str) -> Path:
+    """The model file of the save the bundle's meta commits."""
+    return checkpoint.model_path(stem, checkpoint.resolve_tag(stem))
+
+
 def copy_bundle(stem: str, dest: Path) -> str:
     """Copy a bundle's files to ``dest`` (stem ``dest/b``); return the new stem."""
     dest.mkdir()
@@ -184,7 +189,7 @@ FDL_CASES: dict[str, tuple[Callable[[Path, dict[str, str]], None], str]] = {
         "not a flodl.fdl file",
     ),
     "another_model": (
-        lambda p, b: shutil.copy(checkpoint.model_path(b["other"]), p),
+        lambda p, b: shutil.copy(model_file(b["other"]), p),
         "bundle from another model",
     ),
 }
@@ -239,7 +244,7 @@ def test_single_tier_refuses_a_bad_model_file(
 ) -> None:
     stem = copy_bundle(bundles["one"], tmp_path / case)
     corrupt, expected = FDL_CASES[case]
-    fdl = checkpoint.model_path(stem)
+    fdl = model_file(stem)
     corrupt(fdl, bundles)
     exc = resume_single(stem)
     assert exc is not None, "resumed from a corrupt model file"
@@ -252,10 +257,10 @@ def test_single_tier_never_unpickles_code_from_a_model_file(
 ) -> None:
     stem = copy_bundle(bundles["one"], tmp_path / "evil")
     marker = tmp_path / "payload-ran"
-    torch.save({"format": "flodl.fdl", "params": [Evil(marker)]}, checkpoint.model_path(stem))
+    torch.save({"format": "flodl.fdl", "params": [Evil(marker)]}, model_file(stem))
     exc = resume_single(stem)
     assert exc is not None
-    assert_clear(exc, checkpoint.model_path(stem))
+    assert_clear(exc, model_file(stem))
     assert not marker.exists(), "loading the bundle ran code from it"
 
 
@@ -321,7 +326,7 @@ def test_launcher_tier_refuses_a_bad_meta(
     meta = checkpoint.meta_path(stem)
     corrupt(meta, stem, bundles)
     out = run_files_main("--resume", stem)
-    names = checkpoint.model_path(stem) if case == "other_save" else meta
+    names = model_file(stem) if case == "other_save" else meta
     assert_one_line_error(out, names, expected)
 
 
@@ -352,13 +357,13 @@ def test_launcher_tier_refuses_a_bundle_of_another_model(
     # bundle, prints why (naming the file) and exits 1 before joining. The launcher only
     # notices at the formation timeout (300 s x FLODL_NET_TIMEOUT_SCALE: 15 s here).
     stem = copy_bundle(bundles["two"], tmp_path / "other")
-    shutil.copy(checkpoint.model_path(bundles["other"]), checkpoint.model_path(stem))
+    shutil.copy(model_file(bundles["other"]), model_file(stem))
     out = run_files_main("--resume", stem, scale="0.05")
     assert out.returncode == 2, out.stderr[-3000:]
     launcher = [line for line in out.stderr.splitlines() if line.startswith("files_main: ")]
     assert len(launcher) == 1, out.stderr[-3000:]
     assert "never joined" in launcher[0] and "exit codes [1, 1]" in launcher[0], launcher[0]
-    refusal = f"CheckpointError: {checkpoint.model_path(stem)}: bundle from another model"
+    refusal = f"CheckpointError: {model_file(stem)}: bundle from another model"
     assert out.stderr.count(refusal) == 2, out.stderr[-3000:]  # one line from each rank
 
 
@@ -422,7 +427,7 @@ def test_flodl_coord_refuses_a_model_file_of_another_save(
     bundles: dict[str, str], tmp_path: Path
 ) -> None:
     stem = copy_bundle(bundles["two"], tmp_path / "trunc")
-    fdl = checkpoint.model_path(stem)
+    fdl = model_file(stem)
     fdl.write_bytes(fdl.read_bytes()[:100])
     out = _coord_resume(stem, tmp_path)
     assert_cli_error(out, "flodl coord: error:", str(fdl))

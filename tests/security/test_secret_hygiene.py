@@ -184,7 +184,9 @@ def test_launcher_run_keeps_the_secret_off_command_lines_output_and_files(tmp_pa
     assert not leaks(" ".join(launcher_env.values()), secret), "the launcher's own environment"
     assert not leaks(out, secret) and not leaks(err, secret), "the secret is in the output"
     written = list(files_under(out_dir))
-    assert {p.name for p in written} >= {"bundle.meta.json", "bundle.fdl", "dashboard.html"}
+    names = {p.name for p in written}
+    assert {"bundle.meta.json", "dashboard.html"} <= names
+    assert any(re.fullmatch(r"bundle\.b[0-9a-f-]+\.fdl", n) for n in names)  # the tagged model
     assert any(p.suffix == ".log" for p in written)  # the record log
     for path in written:
         data = path.read_bytes()

@@ -966,3 +966,91 @@ def test_model_bundle_is_immutable(tmp_path: Path) -> None:
     assert isinstance(bundle, ModelBundle)
     with pytest.raises(AttributeError):
         bundle.epoch = 9  # type: ignore[misc]
+
+
+# --- tagged saves: the meta is the switch --------------------------------------------------
+
+TAG_A = "b100-0-aaaaaa"
+TAG_B = "b200-1-bbbbbb"
+TAG_C = "b300-2-cccccc"
+
+
+def test_tagged_names_and_stems(tmp_path: Path) -> None:
+    stem = tmp_path / "run"
+    assert ck.model_path(stem, TAG_A).name == f"run.{TAG_A}.fdl"
+    assert ck.optim_path(stem, 2, TAG_A).name == f"run.{TAG_A}.rank2.optim"
+    assert ck.outer_path(stem, TAG_A).name == f"run.{TAG_A}.outer.fdl"
+    for path in (ck.model_path(stem, TAG_A), ck.optim_path(stem, 0, TAG_A)):
+        assert ck.normalize_stem(path) == str(stem)
+    assert ck.normalize_stem(tmp_path / "run.v2") == str(tmp_path / "run.v2")  # not a tag
+    with pytest.raises(ConfigError, match="bundle tag"):
+        ck.model_path(stem, "../evil")
+
+
+def _save(stem: Path, tag: str, step: int) -> None:
+    model = net()
+    ck.save_model(
+        stem,
+        list(model.parameters()),
+        [],
+        signature="s",
+        global_step=step,
+        sync_round=0,
+        epoch=1,
+        tag=tag,
+    )
+    ck.save_optim(
+        stem, 0, {"state": {}, "param_groups": []}, global_step=step, sync_round=0, tag=tag
+    )
+
+
+def test_a_save_is_the_resume_point_only_once_its_meta_commits(tmp_path: Path) -> None:
+    stem = tmp_path / "run"
+    _save(stem, TAG_A, 100)
+    ck.commit_bundle(stem, meta_dict(global_step=100, bundle_tag=TAG_A))
+    _save(stem, TAG_B, 200)  # a second save, killed before its meta
+    assert ck.read_meta(stem).bundle_tag == TAG_A
+    assert ck.load_model(stem).global_step == 100  # the files the meta names
+    assert ck.load_optim(stem, 0) is not None and ck.load_optim(stem, 0).global_step == 100  # type: ignore[union-attr]
+    _save(stem, TAG_C, 300)
+    ck.commit_bundle(stem, meta_dict(global_step=300, bundle_tag=TAG_C))
+    assert ck.load_model(stem).global_step == 300
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [f"run.{TAG_C}.fdl", f"run.{TAG_C}.rank0.optim", "run.meta.json"]
+
+
+def test_commit_spares_saves_in_flight_and_removes_the_original_layout(tmp_path: Path) -> None:
+    stem = tmp_path / "run"
+    for name in ("run.fdl", "run.rank0.optim", "run.outer.fdl", f"run.{TAG_A}.fdl.tmp.123"):
+        (tmp_path / name).write_bytes(b"x")
+    _save(stem, TAG_B, 200)
+    _save(stem, TAG_C, 300)  # being written when TAG_B commits
+    (tmp_path / "run.rank1.death.json").write_text("{}")  # not bundle data: untouched
+    ck.commit_bundle(stem, meta_dict(global_step=200, bundle_tag=TAG_B), in_flight=[TAG_C])
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(
+        [
+            f"run.{TAG_B}.fdl",
+            f"run.{TAG_B}.rank0.optim",
+            f"run.{TAG_C}.fdl",
+            f"run.{TAG_C}.rank0.optim",
+            "run.meta.json",
+            "run.rank1.death.json",
+        ]
+    )
+
+
+def test_a_meta_without_a_tag_reads_the_original_layout(tmp_path: Path) -> None:
+    stem = tmp_path / "run"
+    model = net()
+    ck.save_model(
+        stem, list(model.parameters()), [], signature="s", global_step=7, sync_round=0, epoch=1
+    )
+    ck.write_meta(stem, meta_dict(global_step=7))
+    assert ck.resolve_tag(stem) is None
+    assert ck.load_model(stem).path == tmp_path / "run.fdl"
+
+
+def test_a_meta_with_a_bad_tag_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="bundle_tag"):
+        ck.write_meta(tmp_path / "run", meta_dict(bundle_tag="../../etc"))

@@ -1,19 +1,20 @@
 """Checkpoint bundles in the pure coordinator: request, commit by meta, writer failover.
 
-Rule (DESIGN.md §7, flodl-spec.md §8): every live rank writes its optimizer state, the
-checkpoint role rank also the model; the coordinator writes the meta only once the model file
+Rule (docs/design.md §6): every live rank writes its optimizer state, the checkpoint role rank
+also the model, under the save's tag; the coordinator writes the meta only once the model file
 is on disk, so a meta always names a bundle that exists. A writer that fails or dies hands the
-model file to the next live rank.
+model file to the next live rank, at a stop too: the stop is held until the bundle commits.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from test_machine import Cluster, joined, make_config, of, sends
+from test_machine import Cluster, heartbeat_all, joined, make_config, of, sends
 
+from flodl.config import MaxFailure
 from flodl.coord.effects import Alert, BundleRequested, Send, WriteMeta
-from flodl.coord.machine import Coordinator
+from flodl.coord.machine import Coordinator, RunPhase
 from flodl.coord.resume import ResumeState
 from flodl.wire.frames import (
     BundleSaved,
@@ -21,6 +22,7 @@ from flodl.wire.frames import (
     SaveConsensusModel,
     SetGlobalStep,
     Shutdown,
+    ShutdownWithSave,
     StartEpoch,
 )
 
@@ -68,7 +70,7 @@ def test_a_writer_that_fails_hands_the_model_file_to_the_next_live_rank() -> Non
         checkpoint_every=1,
         num_epochs=2,
     )
-    first_bundle(c)
+    [(_, first)] = sends(first_bundle(c), SaveConsensusModel)[:1]
     retry = c.coord.handle(BundleSaved(rank=0, version=0, error="disk full"), c.clock.now)
     expected = SaveConsensusModel(
         target_rank=1,
@@ -76,6 +78,7 @@ def test_a_writer_that_fails_hands_the_model_file_to_the_next_live_rank() -> Non
         global_step=c.coord.global_step,
         sync_round=c.coord.sync_rounds,
         epoch=1,
+        tag=first.tag,  # the same save, under the same tag
     )
     assert sends(retry, SaveConsensusModel) == [(1, expected)]
     assert of(retry, WriteMeta) == []
@@ -144,3 +147,76 @@ def test_a_resumed_coordinator_tells_ranks_the_global_step_before_any_work() -> 
     first_work = next(i for i, f in enumerate(frames) if isinstance(f, StartEpoch))
     assert frames[first_step] == SetGlobalStep(global_step=40) and first_step < first_work
     assert all(f.plan.epoch == 1 for f in frames if isinstance(f, StartEpoch))
+
+
+def test_every_save_has_its_own_tag_and_the_meta_names_it() -> None:
+    c = joined(
+        "cpu_cadence",
+        world_size=2,
+        dataset_len=640,
+        save_bundles=True,
+        checkpoint_every=1,
+        num_epochs=2,
+    )
+    c.run()
+    requests = [f for _, f in sends(c.trace, SaveConsensusModel)]
+    tags = {f.version: f.tag for f in requests}
+    assert len(set(tags.values())) == len(tags) >= 2  # a checkpoint and the end of the run
+    assert all(f.tag == tags[f.version] for f in requests)  # every rank: the save's tag
+    metas = of(c.trace, WriteMeta)
+    assert [m.meta["bundle_tag"] for m in metas] == [tags[m.version] for m in metas]
+
+
+def test_a_stop_bundle_fails_over_before_the_ranks_are_told_to_stop() -> None:
+    """ShutdownWithSave: the stop frame is held until the bundle commits, so a writer that
+    fails hands the save to a survivor that is still there to take it."""
+    c = joined(
+        "cpu_cadence",
+        world_size=3,
+        dataset_len=3200,
+        max_failure=MaxFailure(absolute=1),
+        save_bundles=True,
+    )
+    effects = c.kill(1)
+    [(writer, frame)] = [
+        (r, f) for r, f in sends(effects, SaveConsensusModel) if r == f.target_rank
+    ]
+    assert sends(effects, ShutdownWithSave) == []
+    retry = c.feed(BundleSaved(rank=writer, version=frame.version, error="disk full"))
+    [(nxt, again)] = sends(retry, SaveConsensusModel)
+    assert nxt != writer and again.target_rank == nxt and again.tag == frame.tag
+    assert sends(retry, ShutdownWithSave) == []
+    done = c.feed(BundleSaved(rank=nxt, version=frame.version, model=True))
+    assert [m.meta["save_reason"] for m in of(done, WriteMeta)] == ["max_failure_exceeded"]
+    assert sorted(r for r, _ in sends(done, ShutdownWithSave)) == [0, 2]
+
+
+def test_an_end_of_run_bundle_fails_over_when_its_writer_dies() -> None:
+    c = joined("cpu_cadence", world_size=3, dataset_len=960, save_bundles=True)
+    c.run(until=lambda: c.coord.phase is RunPhase.SHUTDOWN)
+    [(_, frame)] = sends(c.trace, SaveConsensusModel)[:1]
+    writer = frame.target_rank
+    assert sends(c.trace, Shutdown) == []  # held for the end-of-run bundle
+    moved = c.kill(writer)
+    [(nxt, again)] = [(r, f) for r, f in sends(moved, SaveConsensusModel)]
+    assert again.target_rank == nxt != writer and again.tag == frame.tag
+    done = c.feed(BundleSaved(rank=nxt, version=frame.version, model=True))
+    assert [m.reason for m in of(done, WriteMeta)] == ["end of run"]
+    assert sorted(r for r, _ in sends(done, Shutdown)) == sorted({0, 1, 2} - {writer})
+
+
+def test_a_stop_bundle_nobody_answers_is_abandoned_at_the_stall_ceiling() -> None:
+    c = joined("cpu_cadence", world_size=2, dataset_len=640, save_bundles=True)
+    c.run(until=lambda: c.coord.phase is RunPhase.SHUTDOWN)
+    stopped_at = c.clock.now
+    while c.clock.now < stopped_at + 299.0:  # the ranks heartbeat, the writer never answers
+        c.clock.advance(1.0)
+        heartbeat_all(c, (0, 1))
+        assert sends(c.tick(), Shutdown) == []
+    c.clock.advance_to(stopped_at + 300.0)
+    heartbeat_all(c, (0, 1))
+    late = c.tick()
+    [alert] = [a for a in of(late, Alert) if a.cls == "checkpoint_failed"]
+    assert "not committed within 300 s of the stop" in alert.detail
+    assert "previous checkpoint" in alert.detail
+    assert sorted(r for r, _ in sends(late, Shutdown)) == [0, 1]

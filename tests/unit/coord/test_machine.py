@@ -242,14 +242,14 @@ def sends(effects: Sequence[Any], kind: type) -> list[tuple[int, Any]]:
     return [(e.rank, e.frame) for e in effects if isinstance(e, Send) and isinstance(e.frame, kind)]
 
 
-def commit_bundles(c: Cluster, effects: Sequence[Any]) -> list[WriteMeta]:
-    """Answer the bundle requests in ``effects`` as the writer rank would; the metas written."""
-    metas: list[WriteMeta] = []
+def commit_bundles(c: Cluster, effects: Sequence[Any]) -> tuple[list[WriteMeta], list[Any]]:
+    """Answer the bundle requests in ``effects`` as the writer rank would; the metas written
+    and every effect of the answers (a stop held for the bundle goes out with its commit)."""
+    out: list[Any] = []
     for rank, frame in sends(effects, SaveConsensusModel):
         if frame.target_rank == rank:
-            done = c.feed(BundleSaved(rank=rank, version=frame.version, model=True))
-            metas += of(done, WriteMeta)
-    return metas
+            out += c.feed(BundleSaved(rank=rank, version=frame.version, model=True))
+    return of(out, WriteMeta), out
 
 
 def plan(offset: int, size: int, epoch: int = 0, *, tail: bool = False) -> EpochPlan:
@@ -722,14 +722,15 @@ def test_stall_ceiling_at_exactly_300s(mode: str) -> None:
     assert "waiting for ranks" in alerts[0].detail and "300" in alerts[0].detail
     if mode == "nccl_cadence":
         assert "[1]" in alerts[0].detail
-    stops = sends(effects, ShutdownWithSave)
-    assert [(r, f.reason) for r, f in stops] == [(0, "reduce_stall"), (1, "reduce_stall")]
     assert of(effects, WriteMeta) == []  # the meta waits for the model file
     bundle = sends(effects, SaveConsensusModel)
     assert [r for r, _ in bundle] == [0, 1]  # every rank saves its part, before stopping
-    assert effects.index(Send(0, bundle[0][1])) < effects.index(Send(0, stops[0][1]))
-    metas = commit_bundles(c, effects)
+    # the stop is held until the bundle commits, so a failed writer could still fail over
+    assert sends(effects, ShutdownWithSave) == []
+    metas, committed = commit_bundles(c, effects)
     assert len(metas) == 1 and metas[0].meta["save_reason"] == "reduce_stall"
+    stops = sends(committed, ShutdownWithSave)
+    assert [(r, f.reason) for r, f in stops] == [(0, "reduce_stall"), (1, "reduce_stall")]
     assert of(effects, RankDead) == []
     c.clock.advance_to(301.0)
     heartbeat_all(c, (0, 1))
@@ -752,14 +753,14 @@ def test_max_failure_absolute_broadcasts_one_shutdown_with_save() -> None:
         save_bundles=True,
     )
     effects = c.kill(1)
-    stops = sends(effects, ShutdownWithSave)
+    metas, committed = commit_bundles(c, effects)
+    assert len(metas) == 1 and metas[0].meta["save_reason"] == "max_failure_exceeded"
+    stops = sends(committed, ShutdownWithSave)
     assert [(r, f.reason) for r, f in stops] == [
         (0, "max_failure_exceeded"),
         (2, "max_failure_exceeded"),
     ]
     assert "1 of 3" in stops[0][1].detail
-    metas = commit_bundles(c, effects)
-    assert len(metas) == 1 and metas[0].meta["save_reason"] == "max_failure_exceeded"
     assert c.coord.phase is RunPhase.SHUTDOWN
     second = c.kill(2)
     assert of(second, RankDead) == [RankDead(2, "process exited with code -9")]
@@ -779,10 +780,12 @@ def test_max_failure_absolute_broadcasts_one_shutdown_with_save() -> None:
 def test_collective_with_two_ranks_stops_on_single_survivor() -> None:
     c = joined("nccl_cadence", save_bundles=True)
     effects = c.kill(1)
-    assert [(r, f.reason) for r, f in sends(effects, ShutdownWithSave)] == [(0, "single_survivor")]
     assert sends(effects, NewSession) == []
-    metas = commit_bundles(c, effects)
+    metas, committed = commit_bundles(c, effects)
     assert [m.meta["save_reason"] for m in metas] == ["single_survivor"]
+    assert [(r, f.reason) for r, f in sends(committed, ShutdownWithSave)] == [
+        (0, "single_survivor")
+    ]
 
 
 def test_cpu_losing_every_rank_is_all_ranks_lost() -> None:
@@ -976,10 +979,11 @@ def test_a_wedged_cohort_ends_in_shutdown_with_save_at_the_stall_ceiling(mode: s
     alerts = [a for a in of(effects, Alert) if a.cls == "reduce_stall"]
     assert len(alerts) == 1
     assert "no training progress" in alerts[0].detail
-    saves = [s for s in of(effects, Send) if isinstance(s.frame, ShutdownWithSave)]
+    metas, committed = commit_bundles(c, effects)
+    assert len(metas) == 1
+    saves = [s for s in of(committed, Send) if isinstance(s.frame, ShutdownWithSave)]
     assert sorted(s.rank for s in saves) == [0, 1]
     assert {s.frame.reason for s in saves} == {"reduce_stall"}
-    assert len(commit_bundles(c, effects)) == 1
     # it fires once
     c.clock.advance(1.0)
     assert of(c.tick(), Alert) == []

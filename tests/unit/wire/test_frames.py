@@ -213,7 +213,7 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
     ),
     "checkpoint": lambda: Checkpoint(version=4, target_rank=1),
     "save_consensus_model": lambda: SaveConsensusModel(
-        target_rank=2, version=9, global_step=1200, sync_round=40, epoch=3
+        target_rank=2, version=9, global_step=1200, sync_round=40, epoch=3, tag="b1200-9-0a1b2c"
     ),
     "execute_eval": lambda: ExecuteEval(
         schedule_id=6, epoch=3, target_rank=1, adopt_consensus=True
@@ -427,6 +427,7 @@ BAD: list[tuple[str, str, dict[str, Any]]] = [
     ("accept-timeout-zero", "accept", {"heartbeat_timeout_s": 0.0}),
     ("accept-timeout-inf", "accept", {"heartbeat_timeout_s": INF}),
     ("accept-scale-below-floor", "accept", {"timeout_scale": 0.001}),
+    ("save-tag-not-a-tag", "save_consensus_model", {"tag": "../../etc/passwd"}),
     (
         "epoch_aggregated-share_complete-negative",
         "epoch_aggregated",

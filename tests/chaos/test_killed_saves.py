@@ -1,0 +1,91 @@
+"""A save killed between any two of its writes leaves a bundle that resumes.
+
+A real 3-rank run saves a bundle after every epoch; a fault hits its second save at one point:
+between the writer's optimizer state and its model file, after a rank's part is on disk but
+before it reports it, or — the coordinator itself — after the model file is on disk and before
+the meta can commit it. In every case the bundle on disk must name files that exist and belong
+together, and a run resumed from it must finish every epoch with nothing left uncovered.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from test_chaos_suite import SCRIPT, done_line, processes_with
+
+from flodl import checkpoint
+from flodl.chaos import ChaosPlan, Fault
+
+pytestmark = [pytest.mark.integration]
+
+REPO = Path(__file__).resolve().parents[2]
+EPOCHS = 4
+WRITER = 1  # the checkpoint role is pinned to rank 1 (--policy 1)
+ARMED_AT = 25
+"""A step of epoch 1 (about 21 steps per rank per epoch): the fault fires at the next save,
+the one after epoch 1."""
+CASES = [
+    pytest.param("kill_in_checkpoint", WRITER, id="writer-killed-before-the-model"),
+    pytest.param("kill_after_save", WRITER, id="writer-killed-after-the-model"),
+    pytest.param("kill_after_save", 0, id="rank-killed-after-its-optimizer-state"),
+    pytest.param("kill_coordinator_in_save", WRITER, id="coordinator-killed-before-the-meta"),
+]
+
+
+def run(tmp: Path, name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    tag = f"flodl-saves-{uuid.uuid4().hex}"
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tag", tag, "--log-dir", str(tmp / name), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+        env={**os.environ, "FLODL_NET_TIMEOUT_SCALE": "0.2"},  # heartbeat timeout 6 s
+    )
+    (tmp / f"{name}.stderr").write_text(out.stderr)
+    deadline = time.monotonic() + 60  # ranks that lost their coordinator exit on their own
+    while processes_with(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_with(tag) == [], "a process of the run outlived it"
+    return out
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(("fault", "rank"), CASES)
+def test_a_save_killed_between_two_writes_leaves_a_bundle_that_resumes(
+    fault: str, rank: int, tmp_path: Path
+) -> None:
+    stem = tmp_path / "ck"
+    common = ["--ranks", "3", "--mode", "cpu_cadence", "--policy", str(WRITER)]
+    common += ["--save", str(stem), "--checkpoint-every", "1", "--slow", "0:3,1:3,2:3"]
+    plan = ChaosPlan((Fault(fault, rank, step=ARMED_AT),), seed=0)
+    first = run(tmp_path, "run", *common, "--epochs", str(EPOCHS), "--chaos", plan.to_env())
+    if fault == "kill_coordinator_in_save":
+        assert first.returncode != 0  # the launcher, and with it the coordinator, is gone
+    else:
+        assert first.returncode == 0, first.stderr[-3000:]  # the save failed over
+    meta = checkpoint.read_meta(stem, world_size=3)
+    model = checkpoint.load_model(stem)  # the files the meta names, nothing else
+    assert model.global_step == meta.global_step, (model.path, meta.bundle_tag)
+    for r in range(3):
+        optim = checkpoint.load_optim(stem, r)
+        assert optim is None or optim.global_step == meta.global_step
+    if fault == "kill_coordinator_in_save":
+        assert meta.epoch == 1  # the first save is the resume point, the second never committed
+    more = str(EPOCHS + 1)  # a completed run goes on for one more epoch
+    resumed = run(tmp_path, "resume", *common, "--epochs", more, "--resume", str(stem))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert done_line(resumed.stdout)["save_reason"] is None
+    end = checkpoint.read_meta(stem, world_size=3)
+    assert end.epoch == EPOCHS + 1
+    assert end.coverage is not None and end.coverage.per_epoch == []
+    # only the committed save's files are left
+    tagged = sorted(p.name for p in tmp_path.glob("ck.b*"))
+    assert tagged and all(name.startswith(f"ck.{end.bundle_tag}.") for name in tagged), tagged
