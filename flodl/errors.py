@@ -23,6 +23,7 @@ __all__ = [
     "CoverageError",
     "InvariantViolation",
     "RunStopped",
+    "TrainingStopped",
 ]
 
 
@@ -95,6 +96,42 @@ class RunStopped(FlodlError):
         save_reason: the ShutdownWithSave reason, or ``None`` for a normal end.
     """
 
-    def __init__(self, save_reason: str | None) -> None:
+    def __init__(self, save_reason: str | None, detail: str = "") -> None:
         super().__init__(save_reason or "shutdown")
         self.save_reason = save_reason
+        self.detail = detail
+
+
+class TrainingStopped(FlodlError):
+    """The coordinator stopped the run before its end (ShutdownWithSave: too many deaths, a
+    lone collective survivor, every rank lost, a wedged cohort). ``join()`` raises it: the
+    message names the reason and the call that resumes.
+
+    Attributes:
+        save_reason: why (``max_failure_exceeded``, ``single_survivor``, ``all_ranks_lost``,
+            ``reduce_stall``).
+        detail: the coordinator's words.
+        bundle: the stem of the bundle to resume from, or ``None`` when none was saved.
+        resume_epoch: the epoch a resume restarts at (``None`` without a bundle).
+        uncovered_samples: samples of that epoch still to train.
+        state: the survivors' last consensus (``TrainedState``), or ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        save_reason: str,
+        detail: str = "",
+        bundle: str | None = None,
+        resume_epoch: int | None = None,
+        uncovered_samples: int | None = None,
+        state: object = None,
+    ) -> None:
+        super().__init__(message)
+        self.save_reason = save_reason
+        self.detail = detail
+        self.bundle = bundle
+        self.resume_epoch = resume_epoch
+        self.uncovered_samples = uncovered_samples
+        self.state = state

@@ -7,10 +7,12 @@ import queue
 import threading
 from collections.abc import Callable
 
+from flodl import checkpoint
+from flodl.errors import CheckpointError, TrainingStopped
 from flodl.rank.snapshot import TrainedState
 from flodl.wire.frames import EpochMetrics
 
-__all__ = ["TrainerHandle"]
+__all__ = ["TrainerHandle", "training_stopped"]
 
 
 class TrainerHandle:
@@ -41,6 +43,9 @@ class TrainerHandle:
         """Wait for the run; returns the final consensus state (CPU tensors).
 
         Raises:
+            TrainingStopped: the coordinator stopped the run before its end (a
+                ShutdownWithSave); the error names the reason and the bundle to resume from,
+                and carries the survivors' last state.
             FlodlError: the run failed (the message says why).
             TimeoutError: not finished within ``timeout`` seconds.
         """
@@ -74,3 +79,42 @@ class TrainerHandle:
                 self._metrics.put(None)
                 return out
             out.append(m)
+
+
+def training_stopped(
+    save_reason: str, detail: str, stem: str | None, state: TrainedState | None
+) -> TrainingStopped:
+    """The error ``join()`` raises after a ShutdownWithSave, with the resume point read from the
+    bundle on disk (the stop's own bundle, or the previous one when it could not be saved)."""
+    head = f"training stopped ({save_reason})" + (f": {detail}" if detail else "")
+    meta = None
+    if stem is not None:
+        try:
+            meta = checkpoint.read_meta(stem)
+        except CheckpointError:
+            meta = None
+    if meta is None:
+        tail = (
+            "no bundle was saved to resume from"
+            if stem is not None
+            else "no bundle to resume from (set save_path to save one at a stop)"
+        )
+        return TrainingStopped(
+            f"{head}; {tail}", save_reason=save_reason, detail=detail, state=state
+        )
+    uncovered = sum(
+        size
+        for entry in (meta.coverage.per_epoch if meta.coverage is not None else [])
+        if entry.epoch == meta.epoch
+        for _, size in entry.uncovered_ranges
+    )
+    return TrainingStopped(
+        f"{head}; resume from its bundle with .resume_from({stem!r}) (epoch {meta.epoch}, "
+        f"{uncovered} samples of it still to train)",
+        save_reason=save_reason,
+        detail=detail,
+        bundle=stem,
+        resume_epoch=meta.epoch,
+        uncovered_samples=uncovered,
+        state=state,
+    )

@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING, Any, Self
 import torch
 
 from flodl.errors import FlodlError, RunStopped
+from flodl.handle import TrainerHandle, training_stopped
 from flodl.rank.runtime import RankLoop, RankSpec
 from flodl.rank.snapshot import TrainedState, write_death_record
 from flodl.rank.step import TrainJob, apply_loss
 from flodl.wire.frames import Intent
 
 if TYPE_CHECKING:
-    from flodl.handle import TrainerHandle
     from flodl.local import LocalRun
 
 __all__ = ["Worker"]
@@ -169,7 +169,7 @@ class Worker:
                 if self._pending:
                     raise FlodlError("call worker.step(loss) once for every batch")
         except RunStopped as stop:
-            self._state = loop._finish(stop.save_reason)
+            self._state = loop._finish(stop.save_reason, stop.detail)
 
     def step(self, loss: torch.Tensor) -> float:
         """Backward, ``max_grad_norm`` clipping and the optimizer step for the current batch;
@@ -238,6 +238,10 @@ class Worker:
         In a rank spawned by flodl's launcher this does not return: the state goes to the
         launcher and the process exits 0. A rank that finishes before the coordinator ended
         the run leaves it (its unfinished work goes to the others) and is counted as a death.
+
+        Raises:
+            TrainingStopped: the coordinator stopped the run before its end (a
+                ShutdownWithSave), as :meth:`TrainerHandle.join` does.
         """
         if self._finished:
             raise FlodlError("finish() was already called")
@@ -265,6 +269,9 @@ class Worker:
             from flodl.launch.child import exit_launched_rank
 
             exit_launched_rank(state if self._state is not None else None, loop.spec.rank)
+        if state.save_reason is not None:
+            job = loop.job
+            raise training_stopped(state.save_reason, state.save_detail, job.save_path, state)
         return state
 
     def _require_loop(self) -> RankLoop:

@@ -141,11 +141,13 @@ class EvalDone:
 
 @dataclass(frozen=True, slots=True)
 class RunOver:
-    """The run ended; ``ok`` is False after a ShutdownWithSave or a formation failure."""
+    """The run ended; ``ok`` is False after a ShutdownWithSave or a formation failure;
+    ``detail`` says why a ShutdownWithSave stopped it."""
 
     ok: bool
     reason: str
     save_reason: SaveReason | None = None
+    detail: str = ""
 
 
 Effect = (

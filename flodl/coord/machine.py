@@ -115,6 +115,7 @@ class Coordinator:
         self.phase_log: list[tuple[RunPhase, str]] = [(RunPhase.FORMING, "the run started")]
         """Every phase the run entered, with why (read by tests and the simulator)."""
         self.save_reason: SaveReason | None = None
+        self.save_detail = ""
         self.membership = Membership(w, config.run_id, config.timeouts)
         self.elche = ElChe(
             w,
@@ -407,6 +408,7 @@ class Coordinator:
         if self.save_reason is not None or self.phase in (RunPhase.SHUTDOWN, RunPhase.DONE):
             return
         self.save_reason = reason
+        self.save_detail = detail
         self.callbacks.request_bundle(reason, detail, out)
         self._enter(RunPhase.SHUTDOWN, f"shutdown_with_save ({reason}): {detail}")
         self._stop_ranks(ShutdownWithSave(reason=reason, detail=detail[:4096]), now, out)
@@ -441,7 +443,9 @@ class Coordinator:
         if self.phase is RunPhase.FORMING:
             out.extend(self.membership.broadcast(Shutdown()))
         self._enter(RunPhase.DONE, reason)
-        out.append(RunOver(ok=ok, reason=reason, save_reason=self.save_reason))
+        out.append(
+            RunOver(ok=ok, reason=reason, save_reason=self.save_reason, detail=self.save_detail)
+        )
 
     def _progress_deadline(self) -> float | None:
         """Safety net against a wedged cohort (no batch and no finalized cycle for the stall

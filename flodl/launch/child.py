@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from flodl.handle import TrainerHandle
+from flodl.handle import TrainerHandle, training_stopped
 from flodl.launch.env import (
     ENV_DEVICE,
     ENV_FINAL_DIR,
@@ -83,7 +83,11 @@ def run_as_rank(job: TrainJob, heartbeat_timeout: float) -> TrainerHandle:
     if launched:
         exit_launched_rank(state, spec.rank)
     handle = TrainerHandle(spec.world_size, is_primary=spec.rank == 0)
-    handle._finish(state, None)
+    if state.save_reason is not None:
+        stopped = training_stopped(state.save_reason, state.save_detail, job.save_path, state)
+        handle._finish(None, stopped)
+    else:
+        handle._finish(state, None)
     return handle
 
 

@@ -45,7 +45,7 @@ from flodl.coord.effects import (
     WriteMeta,
 )
 from flodl.errors import FlodlError
-from flodl.handle import TrainerHandle
+from flodl.handle import TrainerHandle, training_stopped
 from flodl.launch.cluster import CLUSTER_ENV_VAR, Cluster, RankSlot
 from flodl.launch.env import (
     ENV_COORD,
@@ -368,15 +368,20 @@ class _Launcher:
                 pump.join(timeout=STOP_GRACE_S)
             over = self.over_box[0] if self.over_box else None
             codes = [p.returncode for p in self.procs]
-            state = _load_final(self.run_dir, codes)
+            finals = _load_final(self.run_dir, codes)
+            state = finals[0][1] if finals else None
             if over is None:
                 error = FlodlError("the coordinator stopped without ending the run")
             elif not over.ok and over.save_reason is None:
                 error = FlodlError(f"run failed: {over.reason} (rank exit codes {codes})")
+            elif over.save_reason is not None:
+                if state is not None:
+                    state.save_reason = over.save_reason
+                error = training_stopped(over.save_reason, over.detail, self.job.save_path, state)
             elif state is None:
                 error = FlodlError(f"no rank delivered a final state (exit codes {codes})")
-            elif over.save_reason is not None:
-                state.save_reason = over.save_reason
+            else:
+                error = _disagreement(finals)
         except BaseException as exc:  # noqa: BLE001 - delivered to join()
             error = exc
         finally:
@@ -415,23 +420,39 @@ def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
         task.cancel()
 
 
-def _load_final(run_dir: Path, codes: list[int | None]) -> TrainedState | None:
-    """The first delivered final state; ``replicas_agree`` says whether every rank that
-    delivered one holds the same parameters (the consensus of the last reduce)."""
-    states: list[TrainedState] = []
+def _load_final(run_dir: Path, codes: list[int | None]) -> list[tuple[int, TrainedState]]:
+    """``(rank, final state)`` of every rank that delivered one, ascending; the first has
+    ``replicas_agree`` set when several did."""
+    finals: list[tuple[int, TrainedState]] = []
     for rank, code in enumerate(codes):
         path = final_state_path(run_dir, rank)
         if code == 0 and path.exists():
             data: dict[str, Any] = torch.load(path, weights_only=True)
-            states.append(
-                TrainedState(list(data["params"]), list(data["buffers"]), data["save_reason"])
-            )
-    if not states:
-        return None
-    first = states[0]
-    if len(states) > 1:
+            state = TrainedState(list(data["params"]), list(data["buffers"]), data["save_reason"])
+            finals.append((rank, state))
+    if len(finals) > 1:
+        first = finals[0][1]
         first.replicas_agree = all(
             all(torch.equal(a, b) for a, b in zip(first.params, s.params, strict=True))
-            for s in states[1:]
+            for _, s in finals[1:]
         )
-    return first
+    return finals
+
+
+def _disagreement(finals: list[tuple[int, TrainedState]]) -> FlodlError | None:
+    """A completed run whose survivors hold different parameters is an error: every one of
+    them took part in the final reduce, so they must hold its consensus."""
+    if not finals or finals[0][1].replicas_agree is not False:
+        return None
+    base_rank, base = finals[0]
+    for rank, other in finals[1:]:
+        for index, (a, b) in enumerate(zip(base.params, other.params, strict=True)):
+            if not torch.equal(a, b):
+                diff = float((a.double() - b.double()).abs().max()) if a.shape == b.shape else None
+                how = f"max |difference| {diff:.3g}" if diff is not None else "another shape"
+                return FlodlError(
+                    f"the survivors of the run disagree: parameter {index} "
+                    f"{tuple(a.shape)} of rank {rank} differs from rank {base_rank}'s ({how}); "
+                    "they all took part in the final reduce and must hold its consensus"
+                )
+    return None

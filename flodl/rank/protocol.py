@@ -135,9 +135,11 @@ class Wait:
 
 @dataclass(frozen=True, slots=True)
 class Stop:
-    """The coordinator ended the run (``save_reason`` set after a ShutdownWithSave)."""
+    """The coordinator ended the run (``save_reason`` and ``detail`` set after a
+    ShutdownWithSave)."""
 
     save_reason: str | None
+    detail: str = ""
 
 
 # ---- work a frame asks for at once --------------------------------------------------------
@@ -289,8 +291,8 @@ class RankProtocol:
             case Shutdown():
                 self.stopped = Stop(None)
                 return [self.stopped]
-            case ShutdownWithSave(reason=reason):
-                self.stopped = Stop(reason)
+            case ShutdownWithSave(reason=reason, detail=detail):
+                self.stopped = Stop(reason, detail)
                 return [self.stopped]
             case ExecuteEval(schedule_id=sid, epoch=epoch):
                 return [RunEval(sid, epoch)]

@@ -170,7 +170,7 @@ class RankLoop:
                     job.step_hook(self.spec.rank, self.step + 1)
                 self.after_step(loss, scalars)
         except RunStopped as stop:
-            return self._finish(stop.save_reason)
+            return self._finish(stop.save_reason, stop.detail)
         raise AssertionError("unreachable: batches() ends only by RunStopped")
 
     def start(self) -> Accept:
@@ -257,8 +257,8 @@ class RankLoop:
                     self._apply_lr()
                     self._timing = (t0, t1)
                     yield batch
-                case Stop(save_reason=reason):
-                    raise RunStopped(reason)
+                case Stop(save_reason=reason, detail=detail):
+                    raise RunStopped(reason, detail)
                 case _:  # Wait (Broadcast is done in begin())
                     self._obey(self._next_frame())
 
@@ -366,8 +366,8 @@ class RankLoop:
                         self.collective.form(prefix, nr, nw)
                 case PeerDead(rank=r, reason=why):
                     logger.info("rank %d: peer %d declared dead (%s)", self.spec.rank, r, why)
-                case Stop(save_reason=reason):
-                    raise RunStopped(reason)
+                case Stop(save_reason=reason, detail=detail):
+                    raise RunStopped(reason, detail)
 
     def _send(self, frame: Any) -> None:
         assert self.bridge is not None
@@ -604,8 +604,9 @@ class RankLoop:
         while protocol.awaiting_session:
             self._obey(self._next_frame())
 
-    def _finish(self, save_reason: str | None) -> TrainedState:
+    def _finish(self, save_reason: str | None, detail: str = "") -> TrainedState:
         state = TrainedState.of(self.model, save_reason)
+        state.save_detail = detail
         if self.consensus is not None:  # EASGD: the run's result is the consensus
             state.params = [c.to("cpu", copy=True) for c in self.consensus]
         self._send(Exiting(rank=self.spec.rank))

@@ -22,7 +22,8 @@ __all__ = [
 class TrainedState:
     """CPU copies of a model's parameters and buffers, in ``parameters()``/``buffers()`` order.
 
-    ``save_reason`` is set when the run ended through a ShutdownWithSave.
+    ``save_reason`` (and ``save_detail``, the coordinator's words) are set when the run ended
+    through a ShutdownWithSave.
     """
 
     params: list[torch.Tensor] = field(default_factory=list)
@@ -31,6 +32,7 @@ class TrainedState:
     replicas_agree: bool | None = None
     """Whether every rank that delivered a final state held these exact parameters (``None``
     when fewer than two did)."""
+    save_detail: str = ""
 
     @classmethod
     def of(cls, model: torch.nn.Module, save_reason: str | None = None) -> TrainedState:

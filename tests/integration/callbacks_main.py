@@ -33,6 +33,7 @@ from flodl import (
     record_scalar,
 )
 from flodl.chaos import ChaosPlan
+from flodl.errors import TrainingStopped
 
 OUTERS = {
     "none": OuterAvg(),
@@ -184,15 +185,20 @@ def main() -> None:
     if args.chaos:
         b = b.chaos(ChaosPlan.from_env(args.chaos))
 
-    if args.worker:
-        worker = b.into_worker()
-        for batch in worker.batches():
-            loss = forward_loss(worker.model, batch)
-            worker.record_scalar("rows", float(batch[0].shape[0]))
-            worker.step(loss)
-        state = worker.finish()
-    else:
-        state = b.run().join()
+    try:
+        if args.worker:
+            worker = b.into_worker()
+            for batch in worker.batches():
+                loss = forward_loss(worker.model, batch)
+                worker.record_scalar("rows", float(batch[0].shape[0]))
+                worker.step(loss)
+            state = worker.finish()
+        else:
+            state = b.run().join()
+    except TrainingStopped as stopped:  # a ShutdownWithSave: documented, and resumable
+        print(f"STOPPED {stopped}", flush=True)
+        state = stopped.state
+        assert state is not None, "a stopped run still hands over the survivors' state"
     if args.out:
         torch.save({"params": state.params, "buffers": state.buffers}, args.out)
     result = {"save_reason": state.save_reason, "replicas_agree": state.replicas_agree}

@@ -128,6 +128,11 @@ def test_shutdown_with_save_then_resume_trains_each_uncovered_sample_once(tmp_pa
         e = interrupted.epoch
         uncovered = [list(r) for r in interrupted.uncovered_ranges]
         todo = epoch_ids(n, e, uncovered)
+        # join() raised, naming the reason and the exact call that resumes
+        [stopped] = [line for line in a.stdout.splitlines() if line.startswith("STOPPED ")]
+        assert "training stopped (max_failure_exceeded): 1 of 3 ranks dead" in stopped, stopped
+        resume_call = f".resume_from({str(stem)!r}) (epoch {e}, {len(todo)} samples of it still"
+        assert resume_call in stopped, stopped
         if 0 < len(todo) < n:
             break
         shutil.rmtree(tmp_path / "a")
