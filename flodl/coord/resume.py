@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flodl.coord.elche import ElCheState
+from flodl.coord.elche_state import ElCheState
 
 __all__ = ["META_SCHEMA_VERSION", "ResumeState"]
 
