@@ -8,9 +8,9 @@ loop keeps its 1 ms cadence while a 256 MiB round is in flight.
 Threads (all started by :meth:`ReduceServer.start`, all joined by :meth:`ReduceServer.close`):
 
 * **accept thread**: accepts data connections and starts one connection thread for each.
-* **connection thread**, one per rank: handshake (:func:`~flodl.wire.tensors.encode_data_hello`
-  layout), then per round: receive the rank's PARAMS and BUFFERS frames into that rank's
-  preallocated buffers, report the upload, wait for the consensus, send it.
+* **connection thread**, one per rank: handshake (:mod:`flodl.wire.data_hello` layout), then
+  per round: receive the rank's PARAMS and BUFFERS frames into that rank's preallocated
+  buffers, report the upload, wait for the consensus, send it.
 * **fold worker**: folds each complete round (sum in torch, one division), publishes the
   consensus frames, computes their auth tags *while* the connection threads already send the
   payloads (the tag ends a frame), waits for the sends, then calls ``on_done``.
@@ -75,22 +75,23 @@ from flodl.coord.rounds import RoundBook
 from flodl.errors import FrameError, LocalProtocolError
 from flodl.outer import OuterConfig, OuterStep
 from flodl.service.refusals import Refusals
+from flodl.wire.data_hello import (
+    DATA_HANDSHAKE_TIMEOUT_S,
+    HELLO_BYTES,
+    encode_data_ack,
+    parse_data_hello,
+)
+from flodl.wire.tensor_read import read_frame_payloads, read_frame_prefix
 from flodl.wire.tensors import (
     CONSENSUS_SENDER,
-    DATA_HANDSHAKE_TIMEOUT_S,
     DEFAULT_MAX_FRAME_BYTES,
-    HELLO_BYTES,
     INLINE_TAG_BYTES,
     FrameHeader,
     TensorKind,
     TensorLayout,
     WireDtype,
-    encode_data_ack,
     encode_frame_parts,
     frame_tag,
-    parse_data_hello,
-    read_frame_payloads,
-    read_frame_prefix,
     send_buffers,
     upload_sender,
 )

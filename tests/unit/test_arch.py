@@ -48,6 +48,8 @@ LAYERS: list[tuple[str, list[str]]] = [
         [
             "flodl.wire.stream",
             "flodl.wire.tensors",
+            "flodl.wire.tensor_read",
+            "flodl.wire.data_hello",
             "flodl.data",
             "flodl.outer",
             "flodl.checkpoint",
