@@ -593,7 +593,7 @@ def test_tags_are_compared_with_hmac_compare_digest() -> None:
     assert "hmac.compare_digest(" in inspect.getsource(data_hello._parse_handshake)
     assert "hmac.compare_digest(" in inspect.getsource(tensor_read._read_payloads)
     # and nowhere in the code that handles peer bytes is a tag, digest or MAC compared with
-    # == / != (checkpoint.py and launch/cluster.py have unrelated format and YAML "tags")
+    # == / != (checkpoint.py and launch/cluster_file.py have unrelated format and YAML "tags")
     secretish = re.compile(r"(tag|digest|mac|hmac)$", re.IGNORECASE)
     offenders = []
     root = Path(flodl.__file__).parent

@@ -58,6 +58,8 @@ LAYERS: list[tuple[str, list[str]]] = [
             "flodl.monitor.*",
             "flodl.launch",
             "flodl.launch.cluster",
+            "flodl.launch.cluster_file",
+            "flodl.launch.builder",
             "flodl.launch.gpus",
             "flodl.launch.env",
         ],
