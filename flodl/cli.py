@@ -542,7 +542,7 @@ def _run_chaos(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from flodl.demo import DEFAULT_EPOCHS
+    from flodl.demo.run import DEFAULT_EPOCHS
 
     p = sub.add_parser(
         "demo",
