@@ -33,7 +33,7 @@ from _common import RESULTS_DIR, ensure_repo_on_path, machine_info, print_table,
 
 ensure_repo_on_path()
 
-from flodl.demo import BATCH_SIZE  # noqa: E402 - the demo's batch size per rank step
+from flodl.demo.run import BATCH_SIZE  # noqa: E402 - the demo's batch size per rank step
 
 MODES = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
 TARGET_PP = 0.5

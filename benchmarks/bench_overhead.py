@@ -38,7 +38,7 @@ from _common import RESULTS_DIR, ensure_repo_on_path, machine_info, print_table,
 
 ensure_repo_on_path()
 
-from flodl.demo import BATCH_SIZE  # noqa: E402 - the demo's batch size per rank step
+from flodl.demo.run import BATCH_SIZE  # noqa: E402 - the demo's batch size per rank step
 
 SEED = 0
 TARGET_SINGLE = 1.05

@@ -38,13 +38,12 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
     import torch
 
+    from flodl.wire.tensor_read import decode_tensor_frame, read_tensor_frame
     from flodl.wire.tensors import (
         TensorKind,
-        decode_tensor_frame,
         encode_tensor_frame,
         frame_ceiling,
         frame_tag,
-        read_tensor_frame,
         send_buffers,
     )
 

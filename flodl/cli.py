@@ -181,7 +181,8 @@ def _run_forwarding(name: str, cmd: list[str], env: dict[str, str]) -> int | Non
 def _run_launch(args: argparse.Namespace) -> int:
     import os
 
-    from flodl.launch.cluster import CLUSTER_ENV_VAR, load_cluster_yaml
+    from flodl.launch.cluster import CLUSTER_ENV_VAR
+    from flodl.launch.cluster_file import load_cluster_yaml
 
     cmd = _trailing_command(args, "launch")
     if cmd is None:
@@ -541,7 +542,7 @@ def _run_chaos(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from flodl.demo import DEFAULT_EPOCHS
+    from flodl.demo.run import DEFAULT_EPOCHS
 
     p = sub.add_parser(
         "demo",

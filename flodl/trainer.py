@@ -26,7 +26,8 @@ from flodl.config import ElCheConfig, MaxFailure, Reduction, validated
 from flodl.data import as_batch_dataset
 from flodl.errors import ConfigError, FlodlError
 from flodl.handle import TrainerHandle
-from flodl.launch.cluster import CLUSTER_ENV_VAR, Cluster, ClusterBuilder
+from flodl.launch.builder import ClusterBuilder
+from flodl.launch.cluster import CLUSTER_ENV_VAR, Cluster
 from flodl.launch.env import is_launched, rank_env
 from flodl.local import LocalRun, LocalSchedule
 from flodl.outer import OuterConfig

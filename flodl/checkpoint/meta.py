@@ -37,7 +37,7 @@ from pydantic import (
 )
 
 from flodl.checkpoint.files import is_int, meta_path, remove_superseded, write_or_raise
-from flodl.coord.elche import ElCheState
+from flodl.coord.elche_state import ElCheState
 from flodl.coord.resume import META_SCHEMA_VERSION, TAG_PATTERN, ResumeState
 from flodl.errors import CheckpointError, ConfigError
 from flodl.wire.frames import SaveReason
@@ -129,7 +129,7 @@ class CheckpointMeta(JsonModel):
         sync_round: averaging rounds finished.
         world_size_at_save: the run's world size; a resume needs the same one.
         save_reason: one of :data:`SAVE_REASONS`.
-        elche_state: :meth:`~flodl.coord.elche.ElCheState.to_dict` (+ ``trend_history``, v3);
+        elche_state: :meth:`~flodl.coord.elche_state.ElCheState.to_dict` (+ ``trend_history``, v3);
             absent in v1 metas.
         coverage: the coverage block, absent in the original's v1..v3 metas.
         bundle_tag: the tag of the save's files (``S.<tag>.fdl``…); absent: the untagged

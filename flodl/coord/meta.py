@@ -33,7 +33,7 @@ import math
 from collections import deque
 from typing import TYPE_CHECKING
 
-from flodl.coord.elche import Phase
+from flodl.coord.elche_state import Phase
 from flodl.coord.verdicts import NudgeDown, SuppressGrowth
 from flodl.errors import ConfigError
 

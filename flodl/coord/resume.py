@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flodl.coord.elche import ElCheState
+from flodl.coord.elche_state import ElCheState
 from flodl.wire.frames import BUNDLE_TAG_PATTERN
 
 __all__ = ["META_SCHEMA_VERSION", "TAG_PATTERN", "bundle_tag", "ResumeState"]

@@ -1,10 +1,12 @@
 """Cluster configuration: which hosts run ranks, on which devices, reached how.
 
 Pure module (no processes, sockets, clocks or torch): frozen pydantic models (:class:`Cluster`,
-:class:`Worker`, :class:`Controller`, :class:`SshSettings`), the fluent :class:`ClusterBuilder`
-and the ``fdl.cluster.yml`` reader (:func:`load_cluster_yaml`, :func:`parse_cluster_yaml`),
-after flodl-spec.md §10. The builder and the YAML reader apply the same validation and produce
-equal :class:`Cluster` objects for the same content; every problem raises
+:class:`Worker`, :class:`Controller`, :class:`SshSettings`), the rank slots, the user ``env``
+rules and the validation-error messages, after flodl-spec.md §10. The fluent
+:class:`~flodl.launch.builder.ClusterBuilder` and the ``fdl.cluster.yml`` reader
+(:func:`~flodl.launch.cluster_file.load_cluster_yaml`,
+:func:`~flodl.launch.cluster_file.parse_cluster_yaml`) build on these models: both apply the same
+validation and produce equal :class:`Cluster` objects for the same content; every problem raises
 :class:`~flodl.errors.ConfigError` naming the field path, e.g.
 ``fdl.cluster.yml: invalid cluster configuration: cluster.workers[1].devices[0]: ...``.
 
@@ -26,14 +28,11 @@ Rules:
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
-from pathlib import Path
-from typing import Annotated, Any, Literal, NamedTuple, NoReturn, Self, get_args
+from typing import Annotated, Any, Literal, NamedTuple, Self, get_args
 
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -55,9 +54,6 @@ __all__ = [
     "SshSettings",
     "RankSlot",
     "DeviceType",
-    "ClusterBuilder",
-    "load_cluster_yaml",
-    "parse_cluster_yaml",
     "CLUSTER_ENV_VAR",
     "DEFAULT_CONTROLLER_HOST",
     "DEFAULT_CONTROLLER_PORT",
@@ -94,7 +90,7 @@ _VISIBILITY_MASKS: frozenset[str] = frozenset(
     {"CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"}
 )
 
-_RANKS_REJECTED = "ranks are assigned by worker order; remove 'ranks'"
+RANKS_REJECTED = "ranks are assigned by worker order; remove 'ranks'"
 _CUDA_DEVICE = re.compile(r"(?:cuda:)?([0-9]+)")
 _NULLABLE = frozenset({"controller", "workers"})
 _THIS_MACHINE = "\x00this-machine"  # host identity shared by every name of this machine
@@ -180,7 +176,7 @@ def _normalize_devices(value: Any) -> Any:
         return value
     if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
         raise _FieldError(
-            (), f"must be a list of devices (cpu, cuda:N or N) or 'all', got {_kind_of(value)}"
+            (), f"must be a list of devices (cpu, cuda:N or N) or 'all', got {kind_of(value)}"
         )
     if not value:
         raise _FieldError((), "must list at least one device (or be 'all')")
@@ -239,7 +235,7 @@ class _Model(BaseModel):
     @classmethod
     def _reject_ranks(cls, data: Any) -> Any:
         if isinstance(data, Mapping) and "ranks" in data:
-            raise _FieldError(("ranks",), _RANKS_REJECTED)
+            raise _FieldError(("ranks",), RANKS_REJECTED)
         return data
 
 
@@ -516,7 +512,7 @@ class Cluster(_Model):
 # error messages -------------------------------------------------------------------------------
 
 
-def _kind_of(value: object) -> str:
+def kind_of(value: object) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -592,7 +588,7 @@ def _describe(err: ErrorDetails, root: str) -> str:
     elif kind == "missing":
         message = "required key is missing"
     elif kind in _EXPECTED:
-        message = f"must be {_EXPECTED[kind]}, got {_kind_of(err['input'])}"
+        message = f"must be {_EXPECTED[kind]}, got {kind_of(err['input'])}"
         if not isinstance(err["input"], Mapping | list | tuple):
             message += f" {err['input']!r:.60}"
     else:
@@ -605,323 +601,3 @@ def _describe(err: ErrorDetails, root: str) -> str:
 def _format_errors(exc: ValidationError, *, source: str, root: str) -> str:
     details = "; ".join(_describe(err, root) for err in exc.errors())
     return f"{source}: invalid cluster configuration: {details}"
-
-
-# YAML -----------------------------------------------------------------------------------------
-
-
-class _StrictSafeLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that also refuses a key given twice in one mapping: plain
-    ``safe_load`` keeps the last one, which would silently drop, say, a first ``workers:``."""
-
-
-def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    seen: set[Any] = set()
-    for key_node, _value in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue  # ``<<: *base`` merges may be overridden by explicit keys
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            duplicate = key in seen
-        except TypeError:
-            continue  # unhashable: construct_mapping reports it
-        if duplicate:
-            raise yaml.constructor.ConstructorError(
-                "while constructing a mapping",
-                node.start_mark,
-                f"found duplicate key {key!r}",
-                key_node.start_mark,
-            )
-        seen.add(key)
-    return loader.construct_mapping(node, deep=True)
-
-
-_StrictSafeLoader.add_constructor(
-    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping
-)
-
-
-def _yaml_error(exc: yaml.YAMLError) -> str:
-    if isinstance(exc, yaml.MarkedYAMLError):
-        mark = exc.problem_mark or exc.context_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = exc.problem or exc.context or "malformed document"
-        return f"invalid YAML{where}: {problem}"
-    return f"invalid YAML: {exc}"
-
-
-def parse_cluster_yaml(text: str, *, source: str = "<string>") -> Cluster:
-    """Parse an ``fdl.cluster.yml`` document (flodl-spec.md §10)::
-
-        cluster:
-          controller: {host: 10.0.0.1, port: 1337, path: /opt/run}
-          workers:
-            - host: node-a
-              devices: [0, 1]            # or "all"; local_devices is accepted too
-              nccl_socket_ifname: eth0
-              ssh: {target: me@node-a, port: 22, identity_file: ~/.ssh/id}
-          env: {OMP_NUM_THREADS: "4"}
-
-    Other top-level keys (the rest of an fdl overlay) are ignored; everything under
-    ``cluster:`` is checked, unknown keys included.
-
-    Args:
-        text: the YAML document.
-        source: names the origin in error messages.
-
-    Raises:
-        ConfigError: invalid YAML (with line and column), a document that is not a mapping
-            with a ``cluster:`` mapping, or any invalid field (named by its path).
-    """
-    try:
-        document = yaml.load(text, Loader=_StrictSafeLoader)  # safe: a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: {_yaml_error(exc)}") from None
-    if document is None:
-        raise ConfigError(f"{source}: the document is empty; expected a top-level 'cluster:' key")
-    if not isinstance(document, Mapping):
-        raise ConfigError(
-            f"{source}: the top level must be a mapping with a 'cluster:' key, got "
-            f"{_kind_of(document)}"
-        )
-    if "cluster" not in document:
-        found = ", ".join(repr(key) for key in document) or "none"
-        raise ConfigError(f"{source}: missing top-level 'cluster:' key (found {found})")
-    body = document["cluster"]
-    if not isinstance(body, Mapping):
-        raise ConfigError(
-            f"{source}: cluster must be a mapping with controller, workers and env, got "
-            f"{_kind_of(body)}"
-        )
-    return Cluster.from_mapping(body, source=source, root="cluster")
-
-
-def load_cluster_yaml(path: str | Path) -> Cluster:
-    """Read and parse an ``fdl.cluster.yml`` file (see :func:`parse_cluster_yaml`).
-
-    Raises:
-        ConfigError: the file cannot be read (naming the path and the OS error) or is invalid.
-    """
-    file = Path(path)
-    try:
-        text = file.read_text(encoding="utf-8")
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
-        raise ConfigError(f"cannot read cluster config {str(file)!r}: {reason}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"cannot read cluster config {str(file)!r}: not UTF-8 ({exc})") from None
-    return parse_cluster_yaml(text, source=str(file))
-
-
-# builder --------------------------------------------------------------------------------------
-
-_Section = Literal["controller", "worker"]
-_OPENERS: dict[str, str] = {"controller": "controller(host)", "worker": "host(name)"}
-
-
-class ClusterBuilder:
-    """Fluent mirror of ``fdl.cluster.yml`` (same fields, same validation, equal result)::
-
-        cluster = (
-            ClusterBuilder()
-            .controller("10.0.0.1").port(1337).path("/opt/run").done()
-            .host("node-a").devices([0, 1]).nccl_socket_ifname("eth0")
-                .ssh("me@node-a").ssh_port(2222).ssh_identity_file("~/.ssh/id").done()
-            .host("node-b").devices(["cuda:0"]).nccl_socket_ifname("eth0").done()
-            .env("OMP_NUM_THREADS", "4")
-            .build()
-        )
-
-    ``controller(host)`` and ``host(name)`` open a section that ``done()`` closes; setters
-    apply to the open section (``env`` with none open sets the cluster-wide env). Misuse
-    raises :class:`~flodl.errors.ConfigError` saying what to call instead. Not thread-safe.
-    """
-
-    def __init__(self) -> None:
-        self._controller: dict[str, Any] | None = None
-        self._workers: list[dict[str, Any]] = []
-        self._env: dict[str, Any] = {}
-        self._open: Literal["controller", "worker"] | None = None
-
-    # shortcuts --------------------------------------------------------------------------------
-    @classmethod
-    def local(
-        cls, ranks: int, device: str = "cpu", *, port: int = DEFAULT_CONTROLLER_PORT
-    ) -> Cluster:
-        """One worker on ``127.0.0.1`` with ``ranks`` devices: ``ranks × cpu`` for
-        ``device="cpu"``, ``cuda:0 … cuda:(ranks-1)`` for ``device="cuda"``; loopback
-        controller on ``port``.
-
-        Raises:
-            ConfigError: ``ranks`` below 1 or ``device`` not ``cpu``/``cuda``.
-        """
-        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-            raise ConfigError(f"ClusterBuilder.local: ranks must be an integer ≥ 1, got {ranks!r}")
-        if device == "cpu":
-            devices = ["cpu"] * ranks
-        elif device == "cuda":
-            devices = [f"cuda:{i}" for i in range(ranks)]
-        else:
-            raise ConfigError(
-                f"ClusterBuilder.local: device must be 'cpu' or 'cuda', got {device!r}"
-            )
-        builder = cls().controller(DEFAULT_CONTROLLER_HOST).port(port).done()
-        return builder.host(DEFAULT_CONTROLLER_HOST).devices(devices).done().build()
-
-    @classmethod
-    def all_local_gpus(cls, count: int) -> Cluster:
-        """One worker on ``127.0.0.1`` owning ``count`` GPUs (the launcher passes the
-        ``nvidia-smi`` count), loopback controller: what auto-promote synthesizes.
-
-        Raises:
-            ConfigError: ``count`` below 1.
-        """
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ConfigError(
-                f"ClusterBuilder.all_local_gpus: no GPUs to use (count {count!r}); use "
-                "ClusterBuilder.local(n) for CPU ranks"
-            )
-        return cls.local(count, "cuda")
-
-    # sections ---------------------------------------------------------------------------------
-    def controller(self, host: str) -> Self:
-        """Open the controller section (its ``port``/``path`` follow, then ``done()``)."""
-        self._require_closed("controller()")
-        if self._controller is not None:
-            raise self._misuse("controller() was already called: a cluster has one controller")
-        self._controller = {"host": host}
-        self._open = "controller"
-        return self
-
-    def host(self, host: str) -> Self:
-        """Open a worker section for ``host`` (its settings follow, then ``done()``)."""
-        self._require_closed("host()")
-        self._workers.append({"host": host})
-        self._open = "worker"
-        return self
-
-    def done(self) -> Self:
-        """Close the open controller or worker section."""
-        if self._open is None:
-            raise self._misuse(
-                "done() has nothing to close: call controller(host) or host(name) first"
-            )
-        self._open = None
-        return self
-
-    def build(self) -> Cluster:
-        """Validate and return the :class:`Cluster`.
-
-        Raises:
-            ConfigError: a section is still open, or the configuration is invalid.
-        """
-        if self._open is not None:
-            raise self._misuse(f"build() while {self._open_name()} is open: call done() first")
-        data: dict[str, Any] = {"workers": self._workers}
-        if self._controller is not None:
-            data["controller"] = self._controller
-        if self._env:
-            data["env"] = self._env
-        return Cluster.from_mapping(copy.deepcopy(data), source="ClusterBuilder")
-
-    # controller settings ----------------------------------------------------------------------
-    def port(self, port: int) -> Self:
-        """Controller port (0..65535; 0 lets the OS choose)."""
-        self._section("port()", "controller")["port"] = port
-        return self
-
-    def path(self, path: str) -> Self:
-        """Working directory of the open controller or worker."""
-        self._section("path()", "controller", "worker")["path"] = path
-        return self
-
-    # worker settings --------------------------------------------------------------------------
-    def devices(self, devices: Iterable[str | int] | Literal["all"]) -> Self:
-        """The open worker's devices: ``cpu`` / ``cuda:N`` / ``N`` entries, or ``"all"``."""
-        worker = self._section("devices()", "worker")
-        worker["devices"] = devices if isinstance(devices, str) else list(devices)
-        return self
-
-    def ranks(self, ranks: Iterable[int]) -> NoReturn:
-        """Not supported (the original's builder had it): ranks follow worker order.
-
-        Raises:
-            ConfigError: always.
-        """
-        del ranks
-        raise self._misuse(f"ranks() is not supported: {_RANKS_REJECTED}")
-
-    def nccl_socket_ifname(self, name: str) -> Self:
-        """Network interface NCCL uses on the open worker (required when CUDA spans hosts)."""
-        self._section("nccl_socket_ifname()", "worker")["nccl_socket_ifname"] = name
-        return self
-
-    def ssh(self, target: str) -> Self:
-        """ssh destination of the open worker (``host`` or ``user@host``)."""
-        self._ssh("ssh()")["target"] = target
-        return self
-
-    def ssh_port(self, port: int) -> Self:
-        self._ssh("ssh_port()")["port"] = port
-        return self
-
-    def ssh_user(self, user: str) -> Self:
-        self._ssh("ssh_user()")["user"] = user
-        return self
-
-    def ssh_identity_file(self, path: str) -> Self:
-        self._ssh("ssh_identity_file()")["identity_file"] = path
-        return self
-
-    def ssh_options(self, options: Iterable[str]) -> Self:
-        """Extra ``ssh`` arguments for the open worker (replaces earlier ones)."""
-        self._ssh("ssh_options()")["options"] = list(options)
-        return self
-
-    def env(self, key: str, value: str) -> Self:
-        """Set ``key=value`` in the open worker's env, or with no section open, in the
-        cluster-wide env."""
-        if self._open is None:
-            self._env[key] = value
-        elif self._open == "controller":
-            raise self._misuse(
-                "env() does not apply to controller(): call done() first (env() then sets the "
-                "cluster env), or set it on a worker after host(name)"
-            )
-        else:
-            self._workers[-1].setdefault("env", {})[key] = value
-        return self
-
-    # internals --------------------------------------------------------------------------------
-    def _misuse(self, message: str) -> ConfigError:
-        return ConfigError(f"ClusterBuilder: {message}")
-
-    def _open_name(self) -> str:
-        if self._open == "controller":
-            return "controller()"
-        return f"worker {self._workers[-1]['host']!r}"
-
-    def _require_closed(self, method: str) -> None:
-        if self._open is not None:
-            raise self._misuse(
-                f"{method} while {self._open_name()} is open: call done() to close it first"
-            )
-
-    def _section(self, method: str, *allowed: _Section) -> dict[str, Any]:
-        if self._open == "controller" and "controller" in allowed:
-            assert self._controller is not None
-            return self._controller
-        if self._open == "worker" and "worker" in allowed:
-            return self._workers[-1]
-        noun = " or ".join(allowed)
-        opener = " or ".join(_OPENERS[section] for section in allowed)
-        if self._open is None:
-            raise self._misuse(f"{method} needs an open {noun}: call {opener} first")
-        raise self._misuse(
-            f"{method} does not apply to {self._open_name()}: call done(), then {opener}"
-        )
-
-    def _ssh(self, method: str) -> dict[str, Any]:
-        worker = self._section(method, "worker")
-        ssh: dict[str, Any] = worker.setdefault("ssh", {})
-        return ssh

@@ -32,20 +32,20 @@ from typing import Self
 import torch
 
 from flodl.errors import CoordinatorLost, FrameError, LocalProtocolError
-from flodl.wire.tensors import (
-    CONSENSUS_SENDER,
+from flodl.wire.data_hello import (
     DATA_HANDSHAKE_TIMEOUT_S,
     HELLO_BYTES,
-    INLINE_TAG_BYTES,
-    FramePrefix,
-    TensorKind,
     check_data_ack,
     encode_data_hello,
+)
+from flodl.wire.tensor_read import FramePrefix, read_frame_payloads, read_frame_prefix
+from flodl.wire.tensors import (
+    CONSENSUS_SENDER,
+    INLINE_TAG_BYTES,
+    TensorKind,
     encode_frame_parts,
     frame_ceiling,
     frame_tag,
-    read_frame_payloads,
-    read_frame_prefix,
     send_buffers,
     upload_sender,
 )

@@ -3,14 +3,17 @@
 Shell module: threads and blocking sockets. It never imports asyncio: on loopback, blocking
 sockets move bulk data 6-8 times faster than asyncio streams, and every heavy step (``recv_into``,
 ``sendmsg``, HMAC over large buffers, torch ops) releases the GIL, so the coordinator's event
-loop keeps its 1 ms cadence while a 256 MiB round is in flight.
+loop keeps its 1 ms cadence while a 256 MiB round is in flight. The buffers (the model's layout,
+flat per-dtype storage, a round's uploads and consensus frames) are in
+:mod:`flodl.service.reduce_buffers`; a connection's record and frame reader in
+:mod:`flodl.service.reduce_conn`.
 
 Threads (all started by :meth:`ReduceServer.start`, all joined by :meth:`ReduceServer.close`):
 
 * **accept thread**: accepts data connections and starts one connection thread for each.
-* **connection thread**, one per rank: handshake (:func:`~flodl.wire.tensors.encode_data_hello`
-  layout), then per round: receive the rank's PARAMS and BUFFERS frames into that rank's
-  preallocated buffers, report the upload, wait for the consensus, send it.
+* **connection thread**, one per rank: handshake (:mod:`flodl.wire.data_hello` layout), then
+  per round: receive the rank's PARAMS and BUFFERS frames into that rank's preallocated
+  buffers, report the upload, wait for the consensus, send it.
 * **fold worker**: folds each complete round (sum in torch, one division), publishes the
   consensus frames, computes their auth tags *while* the connection threads already send the
   payloads (the tag ends a frame), waits for the sends, then calls ``on_done``.
@@ -59,14 +62,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import queue
 import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Self
 
 import torch
@@ -74,23 +75,26 @@ import torch
 from flodl.coord.rounds import RoundBook
 from flodl.errors import FrameError, LocalProtocolError
 from flodl.outer import OuterConfig, OuterStep
+from flodl.service.reduce_buffers import Consensus, Flat, Model, Outgoing, Round, Upload
+from flodl.service.reduce_conn import Conn, PeerClosed, Reader, Refused
 from flodl.service.refusals import Refusals
+from flodl.wire.data_hello import (
+    DATA_HANDSHAKE_TIMEOUT_S,
+    HELLO_BYTES,
+    encode_data_ack,
+    parse_data_hello,
+)
+from flodl.wire.tensor_read import read_frame_payloads, read_frame_prefix
 from flodl.wire.tensors import (
     CONSENSUS_SENDER,
-    DATA_HANDSHAKE_TIMEOUT_S,
     DEFAULT_MAX_FRAME_BYTES,
-    HELLO_BYTES,
     INLINE_TAG_BYTES,
     FrameHeader,
     TensorKind,
     TensorLayout,
     WireDtype,
-    encode_data_ack,
     encode_frame_parts,
     frame_tag,
-    parse_data_hello,
-    read_frame_payloads,
-    read_frame_prefix,
     send_buffers,
     upload_sender,
 )
@@ -104,178 +108,6 @@ READ_TIMEOUT_S = 120.0
 """Default per-read deadline inside a frame, and per-send deadline (``REDUCE_READ_DEADLINE``)."""
 _EXTRA_CONNECTIONS = 8
 """Connections allowed beyond one per rank and one reconnect each (handshakes in flight)."""
-
-# Accumulation dtype per wire dtype: bf16 payloads are summed in f32.
-_ACC_DTYPE = {
-    WireDtype.F32: torch.float32,
-    WireDtype.BF16: torch.float32,
-    WireDtype.F64: torch.float64,
-}
-
-
-class _Refused(Exception):
-    """A connection is closed for a protocol reason other than a bad frame (logged)."""
-
-
-class _PeerClosed(Exception):
-    """The peer closed the connection between frames (a clean end)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Model:
-    """The model's layout for one frame kind: shapes and accumulation dtypes, in frame order."""
-
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[torch.dtype, ...]
-    table_nbytes: int
-
-    @classmethod
-    def of(cls, kind: TensorKind, layout: TensorLayout) -> _Model:
-        dtypes = []
-        for index, spec in enumerate(layout.specs):
-            acc = _ACC_DTYPE.get(spec.dtype)
-            if acc is None:
-                raise FrameError(f"{kind.name} tensor {index}: {spec.dtype.name} is not averaged")
-            dtypes.append(acc)
-        shapes = tuple(spec.shape for spec in layout.specs)
-        return cls(shapes, tuple(dtypes), layout.table_nbytes)
-
-    def check(self, kind: TensorKind, layout: TensorLayout) -> None:
-        """Raise FrameError unless ``layout`` is this model's (any accepted wire dtypes)."""
-        if len(layout.specs) != len(self.shapes):
-            raise FrameError(
-                f"{kind.name} frame has {len(layout.specs)} tensors, the model {len(self.shapes)}"
-            )
-        for index, (spec, shape, dtype) in enumerate(
-            zip(layout.specs, self.shapes, self.dtypes, strict=True)
-        ):
-            if spec.shape != shape or _ACC_DTYPE.get(spec.dtype) != dtype:
-                raise FrameError(
-                    f"{kind.name} tensor {index}: {spec.dtype.name} {spec.shape} differs from "
-                    f"the model's {dtype} {shape}"
-                )
-
-
-class _Flat:
-    """Tensors of a model layout stored as one flat tensor per dtype (so a fold is one op).
-
-    Attributes:
-        flats: the flat storage, keyed by the model's (accumulation) dtype.
-        views: one view per tensor of the model, in frame order.
-    """
-
-    __slots__ = ("flats", "views")
-
-    def __init__(self, flats: dict[torch.dtype, torch.Tensor], views: list[torch.Tensor]) -> None:
-        self.flats = flats
-        self.views = views
-
-    @classmethod
-    def allocate(cls, model: _Model) -> _Flat:
-        """Uninitialized storage for ``model`` in its accumulation dtypes."""
-        sizes: dict[torch.dtype, int] = {}
-        for shape, dtype in zip(model.shapes, model.dtypes, strict=True):
-            sizes[dtype] = sizes.get(dtype, 0) + math.prod(shape)
-        flats = {d: torch.empty(n, dtype=d) for d, n in sizes.items()}
-        return cls(flats, _views(model, flats))
-
-    @classmethod
-    def bf16_mirror(cls, model: _Model, acc: _Flat) -> _Flat:
-        """bf16 storage for the f32 tensors of ``acc``; its other tensors are shared."""
-        flats = dict(acc.flats)
-        if torch.float32 in flats:
-            flats[torch.float32] = torch.empty_like(flats[torch.float32], dtype=torch.bfloat16)
-        return cls(flats, _views(model, flats))
-
-
-def _views(model: _Model, flats: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
-    offsets = dict.fromkeys(flats, 0)
-    views: list[torch.Tensor] = []
-    for shape, dtype in zip(model.shapes, model.dtypes, strict=True):
-        start, numel = offsets[dtype], math.prod(shape)
-        views.append(flats[dtype][start : start + numel].view(shape))
-        offsets[dtype] = start + numel
-    return views
-
-
-@dataclass(eq=False, slots=True)
-class _Upload:
-    """What one rank sent for a round (its buffers stay untouched until the round is done)."""
-
-    weight: float
-    mover: bool
-    params: _Flat
-    buffers: _Flat
-    param_wire: tuple[WireDtype, ...]
-    buffer_wire: tuple[WireDtype, ...]
-
-
-@dataclass(eq=False, slots=True)
-class _Outgoing:
-    """One consensus frame: head and payloads are final when published; the tag follows."""
-
-    head: bytes
-    payloads: list[memoryview]
-    tag: bytes | None = None
-
-
-@dataclass(eq=False, slots=True)
-class _Consensus:
-    contributors: tuple[int, ...]
-    weight_total: float
-    frames: dict[int, tuple[_Outgoing, _Outgoing]]
-    sending: set[int]
-
-
-@dataclass(eq=False, slots=True)
-class _Round:
-    """A round's payloads and its consensus (which uploads it expects is the round book's)."""
-
-    cycle: int
-    uploads: dict[int, _Upload] = field(default_factory=dict)
-    consensus: _Consensus | None = None
-    failed: bool = False
-
-
-@dataclass(eq=False, slots=True)
-class _Conn:
-    sock: socket.socket
-    peer: str
-    thread: threading.Thread | None = None
-    rank: int | None = None
-    closed: bool = False  # shut down on purpose (reason already logged)
-    released: bool = False  # socket closed: never touch it again
-    params: _Flat | None = None
-    buffers: _Flat | None = None
-    scratch: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
-
-
-class _Reader:
-    """``recv_into`` for one frame: no deadline until its first byte, ``timeout`` after."""
-
-    __slots__ = ("_idle", "_sock", "_timeout")
-
-    def __init__(self, sock: socket.socket, timeout: float) -> None:
-        self._sock = sock
-        self._timeout = timeout
-        self._idle = False
-
-    def wait_for_frame(self) -> None:
-        self._idle = True
-        self._sock.settimeout(None)
-
-    def __call__(self, view: memoryview) -> int:
-        if not self._idle:
-            return self._sock.recv_into(view)
-        try:
-            n = self._sock.recv_into(view)
-        except ConnectionResetError:
-            raise _PeerClosed from None
-        if n == 0:
-            raise _PeerClosed
-        self._idle = False
-        self._sock.settimeout(self._timeout)
-        return n
 
 
 class ReduceServer:
@@ -339,17 +171,17 @@ class ReduceServer:
         self._wake_w: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._worker: threading.Thread | None = None
-        self._jobs: queue.SimpleQueue[_Round | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Round | None] = queue.SimpleQueue()
         # Everything below is guarded by self._cond.
-        self._conns: set[_Conn] = set()
-        self._by_rank: dict[int, _Conn] = {}
+        self._conns: set[Conn] = set()
+        self._by_rank: dict[int, Conn] = {}
         self._book = RoundBook(world_size)
-        self._rounds: dict[int, _Round] = {}
-        self._models: dict[TensorKind, _Model] = {}
-        self._inflight: _Consensus | None = None
+        self._rounds: dict[int, Round] = {}
+        self._models: dict[TensorKind, Model] = {}
+        self._inflight: Consensus | None = None
         # Owned by the worker thread.
-        self._acc: dict[TensorKind, _Flat] = {}
-        self._mirror: dict[TensorKind, tuple[_Flat, int]] = {}  # and the fold it mirrors
+        self._acc: dict[TensorKind, Flat] = {}
+        self._mirror: dict[TensorKind, tuple[Flat, int]] = {}  # and the fold it mirrors
         self._folds = 0
         # The outer optimizer (CPU placement): applied by the worker to each folded consensus;
         # its lock lets the event loop snapshot it for a checkpoint between folds.
@@ -479,7 +311,7 @@ class ReduceServer:
             return self._book.uploads(cycle)
 
     # ------------------------------------------------------------------ state (lock held)
-    def _shut(self, conn: _Conn) -> None:
+    def _shut(self, conn: Conn) -> None:
         conn.closed = True
         if not conn.released:
             with contextlib.suppress(OSError):
@@ -499,7 +331,7 @@ class ReduceServer:
         """Bring the payloads in line with the round book after it changed: complete rounds go
         to the fold worker, payloads the book no longer holds are dropped."""
         for cycle, contributors in complete:
-            rnd = self._rounds.pop(cycle, None) or _Round(cycle)
+            rnd = self._rounds.pop(cycle, None) or Round(cycle)
             rnd.uploads = {r: rnd.uploads[r] for r in contributors}
             self._jobs.put(rnd)
         pending = set(self._book.pending())
@@ -510,11 +342,11 @@ class ReduceServer:
             for rank in [r for r in rnd.uploads if r not in held]:
                 del rnd.uploads[rank]
 
-    def _model(self, kind: TensorKind, layout: TensorLayout) -> _Model:
+    def _model(self, kind: TensorKind, layout: TensorLayout) -> Model:
         with self._cond:
             model = self._models.get(kind)
             if model is None:
-                model = self._models[kind] = _Model.of(kind, layout)
+                model = self._models[kind] = Model.of(kind, layout)
                 return model
         model.check(kind, layout)
         return model
@@ -546,7 +378,7 @@ class ReduceServer:
                     self._refuse(why, "refused data connection from %s: %s", peer, why)
                     sock.close()
                     continue
-                conn = _Conn(sock, peer)
+                conn = Conn(sock, peer)
                 conn.thread = threading.Thread(
                     target=self._serve, args=(conn,), name=f"flodl-reduce-{peer}", daemon=True
                 )
@@ -554,18 +386,18 @@ class ReduceServer:
             conn.thread.start()
 
     # ------------------------------------------------------------------ connection threads
-    def _serve(self, conn: _Conn) -> None:
+    def _serve(self, conn: Conn) -> None:
         try:
             self._handshake(conn)
-            reader = _Reader(conn.sock, self.read_timeout_s)
+            reader = Reader(conn.sock, self.read_timeout_s)
             while True:
                 cycle, upload = self._receive_upload(conn, reader)
                 rnd = self._register(conn, cycle, upload)
                 if not self._send_consensus(conn, rnd):
                     return
-        except _PeerClosed:
+        except PeerClosed:
             logger.info("rank %s closed its data connection", conn.rank)
-        except (_Refused, FrameError, OSError) as exc:
+        except (Refused, FrameError, OSError) as exc:
             what = f"rank {conn.rank}" if conn.rank is not None else conn.peer
             if conn.closed:
                 logger.debug("data connection of %s ended: %s", what, exc)
@@ -588,7 +420,7 @@ class ReduceServer:
                     self._inflight.sending.discard(conn.rank)
                 self._cond.notify_all()
 
-    def _handshake(self, conn: _Conn) -> None:
+    def _handshake(self, conn: Conn) -> None:
         sock = conn.sock
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -598,26 +430,26 @@ class ReduceServer:
         while got < HELLO_BYTES:
             n = sock.recv_into(view[got:])
             if n == 0:
-                raise _Refused(f"closed after {got} of {HELLO_BYTES} hello bytes")
+                raise Refused(f"closed after {got} of {HELLO_BYTES} hello bytes")
             got += n
         rank, world_size = parse_data_hello(self.secret, hello)
         if world_size != self.world_size:
-            raise _Refused(f"hello for a world of {world_size}, this run has {self.world_size}")
+            raise Refused(f"hello for a world of {world_size}, this run has {self.world_size}")
         if not 0 <= rank < world_size:
-            raise _Refused(f"hello from rank {rank}, outside a world of {world_size}")
+            raise Refused(f"hello from rank {rank}, outside a world of {world_size}")
         with self._cond:
             if self._closing:
-                raise _Refused("server closing")
+                raise Refused("server closing")
             if rank in self._book.gone:
-                raise _Refused(f"rank {rank} left the run")
+                raise Refused(f"rank {rank} left the run")
             if rank in self._by_rank:
-                raise _Refused(f"rank {rank} already has a live data connection")
+                raise Refused(f"rank {rank} already has a live data connection")
             self._by_rank[rank] = conn
             conn.rank = rank
         sock.sendall(encode_data_ack(self.secret, hello))
         logger.info("rank %d connected to the reduce server from %s", rank, conn.peer)
 
-    def _receive_upload(self, conn: _Conn, reader: _Reader) -> tuple[int, _Upload]:
+    def _receive_upload(self, conn: Conn, reader: Reader) -> tuple[int, Upload]:
         assert conn.rank is not None
         reader.wait_for_frame()
         params_header, conn.params, param_wire = self._receive_frame(
@@ -627,7 +459,7 @@ class ReduceServer:
         buffers_header, conn.buffers, buffer_wire = self._receive_frame(
             conn, reader, TensorKind.MODEL_BUFFERS, conn.buffers, cycle
         )
-        return cycle, _Upload(
+        return cycle, Upload(
             weight=params_header.weight,
             mover=buffers_header.weight == 1.0,
             params=conn.params,
@@ -638,12 +470,12 @@ class ReduceServer:
 
     def _receive_frame(
         self,
-        conn: _Conn,
-        reader: _Reader,
+        conn: Conn,
+        reader: Reader,
         kind: TensorKind,
-        flat: _Flat | None,
+        flat: Flat | None,
         cycle: int | None,
-    ) -> tuple[FrameHeader, _Flat, tuple[WireDtype, ...]]:
+    ) -> tuple[FrameHeader, Flat, tuple[WireDtype, ...]]:
         assert conn.rank is not None
         with self._cond:
             model = self._models.get(kind)
@@ -661,34 +493,34 @@ class ReduceServer:
             with self._cond:
                 problem = self._book.problem(conn.rank, header.round)
             if problem is not None:
-                raise _Refused(problem)
+                raise Refused(problem)
         elif header.round != cycle:
-            raise _Refused(f"BUFFERS frame for round {header.round} after PARAMS of round {cycle}")
+            raise Refused(f"BUFFERS frame for round {header.round} after PARAMS of round {cycle}")
         if kind is TensorKind.MODEL_BUFFERS and header.weight not in (0.0, 1.0):
             raise FrameError(f"BUFFERS weight {header.weight} is not 0 or 1 (mover flag)")
         model = self._model(kind, prefix.layout)
         if flat is None:
-            flat = _Flat.allocate(model)
+            flat = Flat.allocate(model)
         read_frame_payloads(
             reader, prefix, flat.views, scratch=conn.scratch, zero_elided=header.weight > 0
         )
         return header, flat, tuple(spec.dtype for spec in prefix.layout.specs)
 
-    def _register(self, conn: _Conn, cycle: int, upload: _Upload) -> _Round:
+    def _register(self, conn: Conn, cycle: int, upload: Upload) -> Round:
         assert conn.rank is not None
         with self._cond:
             if self._closing or conn.closed:
-                raise _Refused("closing")
+                raise Refused("closing")
             problem = self._book.problem(conn.rank, cycle)
             if problem is not None:
-                raise _Refused(problem)
-            rnd = self._rounds.setdefault(cycle, _Round(cycle))
+                raise Refused(problem)
+            rnd = self._rounds.setdefault(cycle, Round(cycle))
             rnd.uploads[conn.rank] = upload
             complete = self._book.upload(conn.rank, cycle)
             self._reconcile([] if complete is None else [(cycle, complete)])
             return rnd
 
-    def _send_consensus(self, conn: _Conn, rnd: _Round) -> bool:
+    def _send_consensus(self, conn: Conn, rnd: Round) -> bool:
         """Wait for ``rnd``'s consensus and send it; False when this connection is done."""
         rank = conn.rank
         assert rank is not None
@@ -739,7 +571,7 @@ class ReduceServer:
                         self._kick(rank, f"round {rnd.cycle} failed on the server")
                     self._cond.notify_all()
 
-    def _complete(self, rnd: _Round) -> None:
+    def _complete(self, rnd: Round) -> None:
         with self._cond:
             contributors = tuple(sorted(rnd.uploads))
             if self._closing:
@@ -752,8 +584,8 @@ class ReduceServer:
         for upload in folded:
             weight_total += upload.weight
         movers = [u for u in folded if u.mover]
-        frames: dict[int, tuple[_Outgoing, _Outgoing]] = {}
-        outgoing: list[_Outgoing] = []
+        frames: dict[int, tuple[Outgoing, Outgoing]] = {}
+        outgoing: list[Outgoing] = []
         if uploads:
             kinds = (TensorKind.MODEL_PARAMS, TensorKind.MODEL_BUFFERS)
             weighted = [u.params for u in folded if u.weight > 0]
@@ -764,7 +596,7 @@ class ReduceServer:
                 self._fold(kinds[1], [u.buffers for u in movers], divisors[1])
                 if weight_total > 0 and self._outer is not None:
                     self._apply_outer(list(self._acc[kinds[0]].flats.values()))
-            variants: dict[tuple[tuple[WireDtype, ...], ...], tuple[_Outgoing, _Outgoing]] = {}
+            variants: dict[tuple[tuple[WireDtype, ...], ...], tuple[Outgoing, Outgoing]] = {}
             for rank, upload in zip(contributors, uploads, strict=True):
                 key = (upload.param_wire, upload.buffer_wire)
                 if key not in variants:
@@ -786,7 +618,7 @@ class ReduceServer:
                 for r in contributors
                 if r in self._by_rank and not self._by_rank[r].closed and r not in self._book.gone
             }
-            consensus = _Consensus(contributors, weight_total, frames, sending)
+            consensus = Consensus(contributors, weight_total, frames, sending)
             rnd.consensus = self._inflight = consensus
             self._cond.notify_all()
         for out in [o for o in outgoing if o.tag is None]:  # sent meanwhile
@@ -827,7 +659,7 @@ class ReduceServer:
         with self._outer_lock:
             return self._outer.state()
 
-    def _fold(self, kind: TensorKind, parts: list[_Flat], divisor: float) -> None:
+    def _fold(self, kind: TensorKind, parts: list[Flat], divisor: float) -> None:
         """acc[kind] = sum(parts) / divisor, one flat tensor per dtype, parts in rank order."""
         if not parts:
             return  # nothing received: the frame goes out elided with weight 0
@@ -835,7 +667,7 @@ class ReduceServer:
         if acc is None:
             with self._cond:
                 model = self._models[kind]
-            acc = self._acc[kind] = _Flat.allocate(model)
+            acc = self._acc[kind] = Flat.allocate(model)
         for dtype, out in acc.flats.items():
             srcs = [p.flats[dtype] for p in parts]
             if len(srcs) == 1:
@@ -852,7 +684,7 @@ class ReduceServer:
 
     def _outgoing(
         self, kind: TensorKind, cycle: int, divisor: float, wire: tuple[WireDtype, ...]
-    ) -> _Outgoing:
+    ) -> Outgoing:
         """The consensus frame of ``kind`` in the wire dtypes ``wire`` (one per tensor)."""
         with self._cond:
             model = self._models[kind]
@@ -865,7 +697,7 @@ class ReduceServer:
             head, payloads = encode_frame_parts(
                 shells, kind=kind, weight=0.0, round=cycle, all_zero=True
             )
-            return _Outgoing(head, payloads)
+            return Outgoing(head, payloads)
         acc = self._acc[kind]
         tensors = acc.views
         if any(w is WireDtype.BF16 for w in wire):
@@ -875,13 +707,13 @@ class ReduceServer:
                 for w, a, m in zip(wire, acc.views, mirror.views, strict=True)
             ]
         head, payloads = encode_frame_parts(tensors, kind=kind, weight=divisor, round=cycle)
-        return _Outgoing(head, payloads)
+        return Outgoing(head, payloads)
 
-    def _mirror_of(self, kind: TensorKind, model: _Model, acc: _Flat) -> _Flat:
+    def _mirror_of(self, kind: TensorKind, model: Model, acc: Flat) -> Flat:
         """The bf16 copy of this round's accumulator of ``kind`` (filled once per round)."""
         mirror, filled = self._mirror.get(kind, (None, -1))
         if mirror is None:
-            mirror = _Flat.bf16_mirror(model, acc)
+            mirror = Flat.bf16_mirror(model, acc)
         if filled != self._folds:
             if torch.float32 in acc.flats:
                 mirror.flats[torch.float32].copy_(acc.flats[torch.float32])

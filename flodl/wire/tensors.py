@@ -3,7 +3,10 @@
 The CPU reduce channel (DESIGN.md §5, flodl-spec §7.4) moves whole models (256 MiB and more
 per frame), so this codec never concatenates: :func:`encode_tensor_frame` returns a buffer list
 for ``socket.sendmsg`` whose f32 payloads are views of the tensors' own memory, and
-:func:`read_tensor_frame` receives each payload straight into the caller's preallocated tensors.
+:func:`~flodl.wire.tensor_read.read_tensor_frame` receives each payload straight into the
+caller's preallocated tensors. This module owns the frame format and the sending side;
+:mod:`flodl.wire.tensor_read` reads and decodes frames, :mod:`flodl.wire.data_hello` holds the
+data channel's handshake.
 
 Layout (one frame; every header and table field in network byte order)::
 
@@ -31,37 +34,12 @@ all-zero elision of protocol version 3 in the original: the tensor is all zeros 
 payload (idle ranks, zero rounds). Payloads are little-endian because torch stores them that way
 on every supported host; importing this module on a big-endian host raises ``ImportError``.
 
-Reading is two-step so a socket reader can receive in place. The fixed header has a constant
-size and :func:`parse_header` validates it. The table size then follows from ``num_tensors``
-and each entry's ``ndim``: a reader without expectations reads 2 bytes (dtype, ndim), then
-``4 * ndim + 8`` (:func:`entry_nbytes`), ``num_tensors`` times. A reader that knows the tensors
-it expects computes the whole table size up front (:meth:`TensorLayout.expected_table_nbytes`)
-and reads it in one call, which is what :func:`read_tensor_frame` does. :class:`TensorLayout`
-parses the table and checks it against the destination tensors.
-
-The tag is checked last, after every payload has been written into the destination tensors
-(that is what "receive in place" costs). **On a FrameError the contents of ``out`` are
-unspecified and the caller must discard them**; the reduce server receives into per-rank
-buffers for this reason. A mismatch between the frame and ``out`` (count, shape, dtype) and an
-oversize frame are detected from the header and table, before any payload byte is written.
-
 Streaming senders and receivers: :func:`encode_frame_parts` returns a frame without its tag,
 so a sender can put the payloads on the wire while another thread computes :func:`frame_tag`;
-:func:`read_frame_prefix` and :func:`read_frame_payloads` split :func:`read_tensor_frame` for a
-receiver that looks at the header and table before it picks the destination tensors.
-
-Data channel handshake (the first bytes on a reduce connection, before any frame; both messages
-are :data:`HELLO_BYTES` = 29 bytes, fields in network byte order)::
-
-    hello, rank -> server
-      magic u32 = 0xF10D17C0 | version u8 = DATA_PROTOCOL_VERSION | rank u32 | world_size u32
-      | tag: HMAC-SHA256(secret, the 13 preceding bytes), first 16 bytes
-    ack, server -> rank
-      magic u32 = 0xF10D17C1 | version u8 | rank u32 | world_size u32 (echoed)
-      | tag: HMAC-SHA256(secret, the 13 preceding bytes + the hello's tag), first 16 bytes
-
-The ack's tag covers the hello's tag, so it answers that hello and proves the server holds the
-secret; a refused hello gets no answer (the server logs why and closes the connection).
+:func:`~flodl.wire.tensor_read.read_frame_prefix` and
+:func:`~flodl.wire.tensor_read.read_frame_payloads` split
+:func:`~flodl.wire.tensor_read.read_tensor_frame` for a receiver that looks at the header and
+table before it picks the destination tensors.
 
 Throughput: Poly1305 (``cryptography``) runs at about 13 GB/s per core, against about 2 GB/s for
 the HMAC-SHA256 of version 1, which made authentication, not moving bytes, the ceiling of a
@@ -73,7 +51,6 @@ from __future__ import annotations
 import ctypes
 import enum
 import hmac
-import logging
 import math
 import os
 import struct
@@ -88,10 +65,9 @@ from flodl.errors import FrameError, LocalProtocolError
 
 if TYPE_CHECKING:
     import socket
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
 __all__ = [
-    "DATA_HANDSHAKE_TIMEOUT_S",
     "INLINE_TAG_BYTES",
     "MAGIC",
     "VERSION",
@@ -117,26 +93,10 @@ __all__ = [
     "frame_tag",
     "frame_nbytes",
     "send_buffers",
-    "parse_header",
-    "read_tensor_frame",
-    "FramePrefix",
-    "read_frame_prefix",
-    "read_frame_payloads",
-    "decode_tensor_frame",
-    "HELLO_MAGIC",
-    "ACK_MAGIC",
-    "DATA_PROTOCOL_VERSION",
-    "HELLO_BYTES",
-    "encode_data_hello",
-    "parse_data_hello",
-    "encode_data_ack",
-    "check_data_ack",
 ]
 
 if sys.byteorder != "little":  # pragma: no cover - every torch CPU target today is little-endian
     raise ImportError("flodl tensor frames carry native little-endian payloads; host is big-endian")
-
-logger = logging.getLogger(__name__)
 
 MAGIC = 0xF10D17F1
 """First four bytes of every tensor frame (the original's RoundFrame magic)."""
@@ -150,8 +110,6 @@ CONSENSUS_SENDER = b"down"
 """Sender discriminator of a consensus frame (server to every rank; one message, one key)."""
 MAX_TENSORS = 65_536
 MAX_NDIM = 8
-DATA_HANDSHAKE_TIMEOUT_S = 10.0
-"""How long either side of the data channel waits for the other's handshake (spec §7.4)."""
 INLINE_TAG_BYTES = 1 << 20
 """Frames with fewer payload bytes compute their tag before sending; larger ones overlap the
 tag computation with sending the payload (the tag goes last)."""
@@ -161,17 +119,14 @@ MIN_FRAME_CEILING = 64 * 1024 * 1024
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 """Ceiling to use before the model size is known (1 GiB, as the original)."""
 
-_HEADER = struct.Struct("!IBBBBdQI")
-HEADER_BYTES = _HEADER.size
+HEADER_STRUCT = struct.Struct("!IBBBBdQI")
+HEADER_BYTES = HEADER_STRUCT.size
 """Size of the fixed header (28 bytes)."""
-_ENTRY_PREFIX = struct.Struct("!BB")
+ENTRY_PREFIX = struct.Struct("!BB")
 _ENTRY_NBYTES = struct.Struct("!Q")
 _DIMS = tuple(struct.Struct(f"!{n}I") for n in range(MAX_NDIM + 1))
 _MAX_DIM = (1 << 32) - 1
 _MAX_ROUND = (1 << 64) - 1
-# How much a memory-backed reader hands out per call: small enough that the MAC reads each chunk
-# from cache right after it was copied into place.
-_MEMORY_CHUNK = 256 * 1024
 _ZERO_PROBE = 4096
 _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
 
@@ -267,10 +222,10 @@ class TensorSpec:
 
 def entry_nbytes(ndim: int) -> int:
     """Size in bytes of a table entry for a tensor with ``ndim`` dimensions."""
-    return _ENTRY_PREFIX.size + 4 * ndim + _ENTRY_NBYTES.size
+    return ENTRY_PREFIX.size + 4 * ndim + _ENTRY_NBYTES.size
 
 
-def _accepts(wire: WireDtype, dst: torch.dtype) -> bool:
+def accepts(wire: WireDtype, dst: torch.dtype) -> bool:
     """Whether a payload of type ``wire`` may land in a tensor of type ``dst``."""
     return dst == wire.torch_dtype or (wire is WireDtype.BF16 and dst == torch.float32)
 
@@ -279,9 +234,9 @@ def _parse_entry(
     table: bytes | bytearray | memoryview, offset: int, index: int, expect: torch.Tensor | None
 ) -> tuple[TensorSpec, int]:
     """Parse the table entry at ``offset``; return it and the offset just past it."""
-    if offset + _ENTRY_PREFIX.size > len(table):
+    if offset + ENTRY_PREFIX.size > len(table):
         raise FrameError(f"tensor table truncated in entry {index}")
-    code, ndim = _ENTRY_PREFIX.unpack_from(table, offset)
+    code, ndim = ENTRY_PREFIX.unpack_from(table, offset)
     try:
         dtype = WireDtype(code)
     except ValueError:
@@ -296,7 +251,7 @@ def _parse_entry(
     end = offset + entry_nbytes(ndim)
     if end > len(table):
         raise FrameError(f"tensor table truncated in entry {index}")
-    shape: tuple[int, ...] = _DIMS[ndim].unpack_from(table, offset + _ENTRY_PREFIX.size)
+    shape: tuple[int, ...] = _DIMS[ndim].unpack_from(table, offset + ENTRY_PREFIX.size)
     (nbytes,) = _ENTRY_NBYTES.unpack_from(table, end - _ENTRY_NBYTES.size)
     spec = TensorSpec(dtype, shape, nbytes)
     dense = spec.numel * dtype.itemsize
@@ -310,7 +265,7 @@ def _parse_entry(
             raise FrameError(
                 f"tensor {index}: shape mismatch: frame {shape}, out {tuple(expect.shape)}"
             )
-        if not _accepts(dtype, expect.dtype):
+        if not accepts(dtype, expect.dtype):
             raise FrameError(
                 f"tensor {index}: dtype mismatch: frame {dtype.name}, out {expect.dtype}"
             )
@@ -389,14 +344,14 @@ def frame_ceiling(model_nbytes: int) -> int:
         model_nbytes: bytes of the model as it rides the wire (halved by the bf16 wire).
 
     Returns:
-        The ``max_frame_bytes`` to pass to :func:`read_tensor_frame`.
+        The ``max_frame_bytes`` to pass to :func:`~flodl.wire.tensor_read.read_tensor_frame`.
     """
     if model_nbytes < 0:
         raise LocalProtocolError(f"model_nbytes must be >= 0, got {model_nbytes}")
     return max(2 * model_nbytes, MIN_FRAME_CEILING)
 
 
-def _weight_problem(weight: float) -> str | None:
+def weight_problem(weight: float) -> str | None:
     if math.isnan(weight):
         return "weight is NaN"
     if math.isinf(weight):
@@ -418,7 +373,7 @@ def _all_zero(t: torch.Tensor) -> bool:
     return int(flat.count_nonzero()) == 0
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
+def byte_view(t: torch.Tensor) -> memoryview:
     """Writable byte view of a contiguous CPU tensor's memory; no copy, keeps ``t`` alive."""
     n = t.numel() * t.element_size()
     if n == 0:
@@ -435,7 +390,7 @@ def _check_frame_args(kind: TensorKind | int, weight: float, round: int, count: 
         kind = TensorKind(kind)
     except ValueError:
         raise LocalProtocolError(f"unknown tensor frame kind {kind!r}") from None
-    problem = _weight_problem(weight)
+    problem = weight_problem(weight)
     if problem is not None:
         raise LocalProtocolError(problem)
     if not 0 <= round <= _MAX_ROUND:
@@ -520,18 +475,18 @@ def _frame_parts(
     all_zero: bool,
 ) -> tuple[bytes, list[memoryview]]:
     """Header + table and payload views of already validated, contiguous CPU tensors."""
-    table = [_HEADER.pack(MAGIC, VERSION, kind, 0, 0, float(weight), round, len(tensors))]
+    table = [HEADER_STRUCT.pack(MAGIC, VERSION, kind, 0, 0, float(weight), round, len(tensors))]
     payloads: list[memoryview] = []
     for t in tensors:
         wire = _WIRE_DTYPE[t.dtype]
         numel = t.numel()
         elided = numel > 0 and (all_zero or (elide_zeros and _all_zero(t)))
         nbytes = 0 if elided else numel * wire.itemsize
-        table.append(_ENTRY_PREFIX.pack(wire, t.dim()))
+        table.append(ENTRY_PREFIX.pack(wire, t.dim()))
         table.append(_DIMS[t.dim()].pack(*t.shape))
         table.append(_ENTRY_NBYTES.pack(nbytes))
         if nbytes:
-            payloads.append(_byte_view(t))
+            payloads.append(byte_view(t))
     return b"".join(table), payloads
 
 
@@ -659,474 +614,3 @@ def send_buffers(sock: socket.socket, buffers: Sequence[memoryview | bytes]) -> 
                 views[first] = views[first][sent:]
                 sent = 0
     return total
-
-
-def parse_header(prefix: bytes | bytearray | memoryview) -> FrameHeader:
-    """Parse and validate the fixed header at the start of ``prefix``.
-
-    Args:
-        prefix: at least :data:`HEADER_BYTES` bytes; only those are read.
-
-    Returns:
-        The header.
-
-    Raises:
-        FrameError: short prefix, bad magic, unsupported version, unknown kind, nonzero flags or
-            reserved byte, weight NaN, infinite or negative, more than 65 536 tensors.
-    """
-    if len(prefix) < HEADER_BYTES:
-        raise FrameError(f"truncated tensor frame header: {len(prefix)} of {HEADER_BYTES} bytes")
-    magic, version, kind, flags, reserved, weight, round_, num_tensors = _HEADER.unpack_from(
-        prefix, 0
-    )
-    if magic != MAGIC:
-        raise FrameError(f"bad magic 0x{magic:08x} (tensor frames start with 0x{MAGIC:08x})")
-    if version != VERSION:
-        old = " (a flodl from before Poly1305 frame tags)" if version == 1 else ""
-        raise FrameError(
-            f"unsupported tensor frame version {version}{old}: this build speaks {VERSION}; "
-            "every process of a run must use the same flodl"
-        )
-    try:
-        kind = TensorKind(kind)
-    except ValueError:
-        raise FrameError(f"unknown tensor frame kind {kind}") from None
-    if flags:
-        raise FrameError(f"unknown tensor frame flags 0x{flags:02x}")
-    if reserved:
-        raise FrameError(f"reserved header byte is {reserved}, must be 0")
-    problem = _weight_problem(weight)
-    if problem is not None:
-        raise FrameError(problem)
-    if num_tensors > MAX_TENSORS:
-        raise FrameError(f"too many tensors: {num_tensors} > {MAX_TENSORS}")
-    return FrameHeader(kind, weight, round_, num_tensors, flags, version)
-
-
-def _recv_exactly(
-    recv_into: Callable[[memoryview], int],
-    view: memoryview,
-    mac: Poly1305 | None,
-    what: str,
-) -> None:
-    """Fill ``view`` from ``recv_into``, feeding each chunk to ``mac`` as it lands."""
-    got = 0
-    want = view.nbytes
-    while got < want:
-        n = recv_into(view[got:])
-        if n <= 0:
-            raise FrameError(f"truncated tensor frame: EOF in {what} after {got} of {want} bytes")
-        if mac is not None:
-            mac.update(view[got : got + n])
-        got += n
-
-
-def read_tensor_frame(
-    recv_into: Callable[[memoryview], int],
-    out: Sequence[torch.Tensor],
-    *,
-    secret: bytes,
-    max_frame_bytes: int,
-    scratch: torch.Tensor | None = None,
-    sender: bytes = b"",
-) -> FrameHeader:
-    """Receive exactly one frame, writing its payloads into the preallocated ``out`` tensors.
-
-    A payload whose dtype equals its destination's, bound for a contiguous CPU tensor, is
-    received straight into that tensor's memory. Others (bf16 into float32, or a
-    non-contiguous or non-CPU destination) land in ``scratch`` first and are copied with
-    ``out[i].copy_()``, so a bf16 payload is accumulated as f32. Elided tensors are zeroed.
-
-    Direct writes bypass autograd (no version-counter bump), as under ``torch.no_grad()``;
-    ``out`` must not be read or written by another thread meanwhile. On a :class:`FrameError`
-    the contents of ``out`` are unspecified: discard them.
-
-    Args:
-        recv_into: blocking ``socket.recv_into``-like callable: fills a prefix of the given
-            buffer, returns how many bytes it wrote, 0 at EOF.
-        out: one destination per tensor of the frame, same shapes; float32 destinations also
-            accept bf16 payloads.
-        secret: the run secret (derives the frame's Poly1305 key).
-        max_frame_bytes: ceiling on the whole frame, checked before any payload is read (see
-            :func:`frame_ceiling`).
-        scratch: optional uint8 CPU tensor reused as the staging buffer across calls; it is
-            grown in place (``resize_``) when too small.
-        sender: who sent the frame, as the sender passed it (see :func:`encode_tensor_frame`).
-
-    Returns:
-        The frame's header.
-
-    Raises:
-        FrameError: bad header or table, mismatch against ``out``, oversize, EOF mid-frame, or
-            bad tag.
-        LocalProtocolError: ``scratch`` is not a contiguous uint8 CPU tensor.
-    """
-    if scratch is not None:
-        _check_scratch(scratch)  # before the first byte: a bad argument must not desync the stream
-    head = memoryview(bytearray(HEADER_BYTES))
-    _recv_exactly(recv_into, head, None, "header")
-    header = parse_header(head)
-    if header.num_tensors != len(out):
-        raise FrameError(
-            f"tensor count mismatch: frame has {header.num_tensors}, out has {len(out)}"
-        )
-    table_nbytes = TensorLayout.expected_table_nbytes(out)
-    if HEADER_BYTES + table_nbytes + TAG_BYTES > max_frame_bytes:
-        raise FrameError(
-            f"tensor frame exceeds the {max_frame_bytes} byte ceiling: its table alone is "
-            f"{table_nbytes} bytes"
-        )
-    table = memoryview(bytearray(table_nbytes))
-    _recv_exactly(recv_into, table, None, "tensor table")
-    layout = TensorLayout.parse(table, header.num_tensors, out=out)
-    size = layout.frame_nbytes
-    if size > max_frame_bytes:
-        raise FrameError(f"tensor frame of {size} bytes exceeds the {max_frame_bytes} byte ceiling")
-
-    mac = _head_mac(secret, bytes(head) + bytes(table), sender)
-    _read_payloads(recv_into, layout, out, mac, scratch, zero_elided=True)
-    return header
-
-
-def _head_mac(secret: bytes, head: bytes, sender: bytes) -> Poly1305:
-    """The frame's Poly1305 state after its header and table (``head``)."""
-    mac = Poly1305(frame_key(secret, head, sender))
-    mac.update(head)
-    return mac
-
-
-def _read_payloads(
-    recv_into: Callable[[memoryview], int],
-    layout: TensorLayout,
-    out: Sequence[torch.Tensor],
-    mac: Poly1305,
-    scratch: torch.Tensor | None,
-    *,
-    zero_elided: bool,
-) -> None:
-    """Receive the payloads of ``layout`` into ``out`` (already checked), then check the tag."""
-    direct = [
-        spec.nbytes > 0
-        and dst.dtype == spec.dtype.torch_dtype
-        and dst.device.type == "cpu"
-        and dst.is_contiguous()
-        for spec, dst in zip(layout.specs, out, strict=True)
-    ]
-    staged = max(
-        (s.nbytes for s, d in zip(layout.specs, direct, strict=True) if s.nbytes and not d),
-        default=0,
-    )
-    if staged:
-        scratch = _ready_scratch(scratch, staged)
-
-    with torch.no_grad():
-        for index, (spec, dst) in enumerate(zip(layout.specs, out, strict=True)):
-            what = f"tensor {index} payload"
-            if spec.elided:
-                if zero_elided:
-                    dst.zero_()
-            elif direct[index]:
-                _recv_exactly(recv_into, _byte_view(dst), mac, what)
-            elif spec.nbytes:
-                assert scratch is not None  # sized above whenever a payload is staged
-                stage = scratch[: spec.nbytes]
-                _recv_exactly(recv_into, _byte_view(stage), mac, what)
-                dst.copy_(stage.view(spec.dtype.torch_dtype).view(spec.shape))
-
-    tag = memoryview(bytearray(TAG_BYTES))
-    _recv_exactly(recv_into, tag, None, "auth tag")
-    if not hmac.compare_digest(mac.finalize(), tag):
-        raise FrameError("bad tensor frame auth tag (wrong run secret or corrupted frame)")
-
-
-@dataclass(frozen=True, slots=True)
-class FramePrefix:
-    """The header and table of a frame whose payloads are still on the wire.
-
-    Returned by :func:`read_frame_prefix`, consumed once by :func:`read_frame_payloads`.
-
-    Attributes:
-        header: the validated fixed header.
-        layout: the parsed tensor table.
-        mac: the frame's running Poly1305 (one-time key) over every byte read so far (header
-            and table).
-    """
-
-    header: FrameHeader
-    layout: TensorLayout
-    mac: Poly1305
-
-
-def read_frame_prefix(
-    recv_into: Callable[[memoryview], int],
-    *,
-    secret: bytes,
-    max_frame_bytes: int,
-    table_nbytes: int | None = None,
-    sender: bytes = b"",
-) -> FramePrefix:
-    """Receive and validate the header and table of one frame, leaving its payloads unread.
-
-    The receiving half of :func:`read_tensor_frame` for a reader that decides where the
-    payloads go only after seeing the header (its kind, round, weight) and the table (a
-    receiver that allocates its buffers from the first frame). Nothing is authenticated yet:
-    the tag is checked by :func:`read_frame_payloads`, so act on nothing here but what
-    rejecting the frame needs.
-
-    Args:
-        recv_into: as for :func:`read_tensor_frame`.
-        secret: the run secret (derives the frame's Poly1305 key).
-        max_frame_bytes: ceiling on the whole frame, checked before any payload is read.
-        table_nbytes: size of the table when the reader knows it (a frame like the previous
-            one: :attr:`TensorLayout.table_nbytes`); it is then read in one call. ``None``
-            reads the table entry by entry (two reads per tensor).
-        sender: who sent the frame, as the sender passed it (see :func:`encode_tensor_frame`).
-
-    Returns:
-        The prefix, to pass to :func:`read_frame_payloads`.
-
-    Raises:
-        FrameError: bad header or table, a table of another size than ``table_nbytes``,
-            oversize, or EOF.
-    """
-    head = memoryview(bytearray(HEADER_BYTES))
-    _recv_exactly(recv_into, head, None, "header")
-    header = parse_header(head)
-    room = max_frame_bytes - HEADER_BYTES - TAG_BYTES
-    if table_nbytes is not None:
-        if table_nbytes > room:
-            raise FrameError(
-                f"tensor frame exceeds the {max_frame_bytes} byte ceiling: its table alone is "
-                f"{table_nbytes} bytes"
-            )
-        table = memoryview(bytearray(table_nbytes))
-        _recv_exactly(recv_into, table, None, "tensor table")
-        layout = TensorLayout.parse(table, header.num_tensors)
-        if layout.table_nbytes != table_nbytes:
-            raise FrameError(
-                f"tensor table of {layout.table_nbytes} bytes where {table_nbytes} were expected"
-            )
-        table_bytes = bytes(table)
-    else:
-        grown = bytearray()
-        for index in range(header.num_tensors):
-            prefix = memoryview(bytearray(_ENTRY_PREFIX.size))
-            _recv_exactly(recv_into, prefix, None, f"tensor table entry {index}")
-            if prefix[1] > MAX_NDIM:
-                raise FrameError(
-                    f"tensor {index}: ndim {prefix[1]} exceeds the maximum of {MAX_NDIM}"
-                )
-            rest = memoryview(bytearray(entry_nbytes(prefix[1]) - prefix.nbytes))
-            if len(grown) + prefix.nbytes + rest.nbytes > room:
-                raise FrameError(
-                    f"tensor frame exceeds the {max_frame_bytes} byte ceiling in its table"
-                )
-            grown += prefix
-            _recv_exactly(recv_into, rest, None, f"tensor table entry {index}")
-            grown += rest
-        layout = TensorLayout.parse(grown, header.num_tensors)
-        table_bytes = bytes(grown)
-    if layout.frame_nbytes > max_frame_bytes:
-        raise FrameError(
-            f"tensor frame of {layout.frame_nbytes} bytes exceeds the {max_frame_bytes} byte "
-            "ceiling"
-        )
-    return FramePrefix(header, layout, _head_mac(secret, bytes(head) + table_bytes, sender))
-
-
-def read_frame_payloads(
-    recv_into: Callable[[memoryview], int],
-    prefix: FramePrefix,
-    out: Sequence[torch.Tensor],
-    *,
-    scratch: torch.Tensor | None = None,
-    zero_elided: bool = True,
-) -> None:
-    """Receive the payloads and tag of the frame ``prefix`` began, into ``out``.
-
-    Same placement rules as :func:`read_tensor_frame` (direct receive, or staging through
-    ``scratch`` for a bf16 payload bound for float32). On a :class:`FrameError` the contents of
-    ``out`` are unspecified.
-
-    Args:
-        recv_into: the reader :func:`read_frame_prefix` read from.
-        prefix: what :func:`read_frame_prefix` returned for this frame (use it once).
-        out: one destination per tensor of the frame, same shapes.
-        scratch: optional uint8 staging buffer, grown in place when too small.
-        zero_elided: write zeros into the destination of an elided (all-zero) tensor;
-            ``False`` leaves such a destination untouched, for a receiver that will not read
-            it (an upload of weight 0).
-
-    Raises:
-        FrameError: a count, shape or dtype mismatch against ``out`` (before any byte is
-            written), EOF, or a bad tag.
-        LocalProtocolError: ``scratch`` is not a contiguous uint8 CPU tensor.
-    """
-    if scratch is not None:
-        _check_scratch(scratch)
-    layout = prefix.layout
-    if len(out) != len(layout.specs):
-        raise FrameError(
-            f"tensor count mismatch: frame has {len(layout.specs)}, out has {len(out)}"
-        )
-    for index, (spec, dst) in enumerate(zip(layout.specs, out, strict=True)):
-        if spec.shape != tuple(dst.shape):
-            raise FrameError(
-                f"tensor {index}: shape mismatch: frame {spec.shape}, out {tuple(dst.shape)}"
-            )
-        if not _accepts(spec.dtype, dst.dtype):
-            raise FrameError(
-                f"tensor {index}: dtype mismatch: frame {spec.dtype.name}, out {dst.dtype}"
-            )
-    _read_payloads(recv_into, layout, out, prefix.mac, scratch, zero_elided=zero_elided)
-
-
-def _check_scratch(scratch: torch.Tensor) -> None:
-    if scratch.dtype != torch.uint8 or scratch.device.type != "cpu" or not scratch.is_contiguous():
-        raise LocalProtocolError("scratch must be a contiguous uint8 CPU tensor")
-
-
-def _ready_scratch(scratch: torch.Tensor | None, nbytes: int) -> torch.Tensor:
-    """Return a contiguous uint8 CPU tensor of at least ``nbytes``, growing ``scratch``."""
-    if scratch is None:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    if scratch.numel() < nbytes:
-        logger.debug("growing tensor frame scratch from %d to %d bytes", scratch.numel(), nbytes)
-        scratch.resize_(nbytes)
-    return scratch
-
-
-class _MemoryReader:
-    """``recv_into`` over an in-memory frame, handing out cache-sized chunks."""
-
-    __slots__ = ("_pos", "_view")
-
-    def __init__(self, data: bytes | bytearray | memoryview) -> None:
-        self._view = memoryview(data).cast("B")
-        self._pos = 0
-
-    @property
-    def remaining(self) -> int:
-        return self._view.nbytes - self._pos
-
-    def recv_into(self, buffer: memoryview) -> int:
-        n = min(buffer.nbytes, self.remaining, _MEMORY_CHUNK)
-        buffer[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-
-def decode_tensor_frame(
-    data: bytes | bytearray | memoryview,
-    out: Sequence[torch.Tensor],
-    *,
-    secret: bytes,
-    max_frame_bytes: int,
-    scratch: torch.Tensor | None = None,
-    sender: bytes = b"",
-) -> FrameHeader:
-    """Decode one complete in-memory frame into ``out``: :func:`read_tensor_frame` on a buffer.
-
-    Args:
-        data: exactly one frame.
-        out: as for :func:`read_tensor_frame`.
-        secret: the run secret (derives the frame's Poly1305 key).
-        max_frame_bytes: ceiling on the frame size.
-        scratch: as for :func:`read_tensor_frame`.
-        sender: as for :func:`read_tensor_frame`.
-
-    Returns:
-        The frame's header.
-
-    Raises:
-        FrameError: as :func:`read_tensor_frame`, and bytes left over after the frame.
-    """
-    reader = _MemoryReader(data)
-    header = read_tensor_frame(
-        reader.recv_into,
-        out,
-        secret=secret,
-        max_frame_bytes=max_frame_bytes,
-        scratch=scratch,
-        sender=sender,
-    )
-    if reader.remaining:
-        raise FrameError(f"{reader.remaining} trailing bytes after the tensor frame")
-    return header
-
-
-HELLO_MAGIC = 0xF10D17C0
-"""First four bytes of a data channel hello (the original's handshake magic)."""
-ACK_MAGIC = 0xF10D17C1
-"""First four bytes of the server's answer to a hello."""
-DATA_PROTOCOL_VERSION = 1
-"""Version of the data channel (handshake and round protocol); a hello with another is refused."""
-_HELLO = struct.Struct("!IBII")
-HELLO_BYTES = _HELLO.size + TAG_BYTES
-"""Size of a hello and of an ack (29 bytes)."""
-
-
-def _handshake_message(
-    magic: int, rank: int, world_size: int, secret: bytes, bound: bytes
-) -> bytes:
-    if not (0 <= rank < world_size <= 0xFFFFFFFF):
-        raise LocalProtocolError(f"rank {rank} is not in a world of {world_size}")
-    fields = _HELLO.pack(magic, DATA_PROTOCOL_VERSION, rank, world_size)
-    return fields + hmac.new(secret, fields + bound, "sha256").digest()[:TAG_BYTES]
-
-
-def _parse_handshake(
-    data: bytes | bytearray | memoryview, magic: int, secret: bytes, bound: bytes, what: str
-) -> tuple[int, int]:
-    data = bytes(data)
-    if len(data) != HELLO_BYTES:
-        raise FrameError(f"{what} of {len(data)} bytes, expected {HELLO_BYTES}")
-    got_magic, version, rank, world_size = _HELLO.unpack_from(data)
-    if got_magic != magic:
-        raise FrameError(f"bad {what} magic 0x{got_magic:08x} (expected 0x{magic:08x})")
-    if version != DATA_PROTOCOL_VERSION:
-        raise FrameError(
-            f"{what} speaks data protocol version {version}, this build {DATA_PROTOCOL_VERSION}"
-        )
-    tag = hmac.new(secret, data[: _HELLO.size] + bound, "sha256").digest()[:TAG_BYTES]
-    if not hmac.compare_digest(tag, data[_HELLO.size :]):
-        raise FrameError(f"bad {what} auth tag (wrong run secret)")
-    return rank, world_size
-
-
-def encode_data_hello(secret: bytes, rank: int, world_size: int) -> bytes:
-    """The hello a rank sends first on its reduce connection.
-
-    Raises:
-        LocalProtocolError: ``rank`` is not in ``range(world_size)``.
-    """
-    return _handshake_message(HELLO_MAGIC, rank, world_size, secret, b"")
-
-
-def parse_data_hello(secret: bytes, data: bytes | bytearray | memoryview) -> tuple[int, int]:
-    """Authenticate a hello; return its ``(rank, world_size)`` (not range-checked).
-
-    Raises:
-        FrameError: wrong size, bad magic, other protocol version, or bad tag.
-    """
-    return _parse_handshake(data, HELLO_MAGIC, secret, b"", "hello")
-
-
-def encode_data_ack(secret: bytes, hello: bytes | bytearray | memoryview) -> bytes:
-    """The server's answer to the (already parsed) ``hello``."""
-    rank, world_size = _HELLO.unpack_from(hello)[2:]
-    return _handshake_message(ACK_MAGIC, rank, world_size, secret, bytes(hello)[_HELLO.size :])
-
-
-def check_data_ack(
-    secret: bytes, hello: bytes | bytearray | memoryview, ack: bytes | bytearray | memoryview
-) -> None:
-    """Check that ``ack`` answers ``hello`` (same rank and world size, tag over both).
-
-    Raises:
-        FrameError: the ack is malformed, echoes another rank or world size, or fails its tag.
-    """
-    bound = bytes(hello)[_HELLO.size :]
-    rank, world_size = _parse_handshake(ack, ACK_MAGIC, secret, bound, "ack")
-    if (rank, world_size) != tuple(_HELLO.unpack_from(hello)[2:]):
-        raise FrameError(f"ack for rank {rank} of {world_size} does not answer this hello")

@@ -48,10 +48,10 @@ def test_demo_trains_solo_then_two_unequal_ranks_and_writes_its_files(tmp_path: 
     # the files the summary points at
     assert (out_dir / "records" / "root.log").stat().st_size > 0
     assert "<html" in (out_dir / "dashboard.html").read_text().lower()
-    assert (out_dir / "checkpoint.fdl").stat().st_size > 0
     meta = json.loads((out_dir / "checkpoint.meta.json").read_text())
     assert isinstance(meta, dict)
-    for name in ("records", "dashboard.html", "checkpoint.fdl"):
+    assert (out_dir / f"checkpoint.{meta['bundle_tag']}.fdl").stat().st_size > 0
+    for name in ("records", "dashboard.html", "checkpoint.meta.json"):
         assert name in summary
 
 

@@ -51,8 +51,8 @@ import pytest
 import torch
 
 from flodl.wire.codec import MAX_CONTROL_FRAME_BYTES, auth_tag, encode_frame
+from flodl.wire.data_hello import HELLO_MAGIC, encode_data_hello
 from flodl.wire.frames import Heartbeat, Hello
-from flodl.wire.tensors import HELLO_MAGIC, encode_data_hello
 
 pytestmark = [pytest.mark.integration, pytest.mark.uvloop]
 

@@ -46,16 +46,12 @@ from flodl.config import CoordConfig, ElCheConfig, validated
 from flodl.errors import FrameError
 from flodl.rank.bridge import RankBridge
 from flodl.service.coordinator import CoordinatorService
-from flodl.wire import codec, tensors
+from flodl.wire import codec, data_hello, tensor_read
 from flodl.wire.codec import HEADER_BYTES, TAG_BYTES, decode_frame, encode_frame
+from flodl.wire.data_hello import encode_data_hello, parse_data_hello
 from flodl.wire.frames import Accept, Heartbeat, Hello, Reject
-from flodl.wire.tensors import (
-    TensorKind,
-    decode_tensor_frame,
-    encode_data_hello,
-    encode_tensor_frame,
-    parse_data_hello,
-)
+from flodl.wire.tensor_read import decode_tensor_frame
+from flodl.wire.tensors import TensorKind, encode_tensor_frame
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "secret_main.py"
@@ -596,10 +592,10 @@ def _first_len(data: bytes) -> int:
 
 def test_tags_are_compared_with_hmac_compare_digest() -> None:
     assert "hmac.compare_digest(" in inspect.getsource(codec.verify_tag)
-    assert "hmac.compare_digest(" in inspect.getsource(tensors._parse_handshake)
-    assert "hmac.compare_digest(" in inspect.getsource(tensors._read_payloads)
+    assert "hmac.compare_digest(" in inspect.getsource(data_hello._parse_handshake)
+    assert "hmac.compare_digest(" in inspect.getsource(tensor_read._read_payloads)
     # and nowhere in the code that handles peer bytes is a tag, digest or MAC compared with
-    # == / != (checkpoint.py and launch/cluster.py have unrelated format and YAML "tags")
+    # == / != (checkpoint.py and launch/cluster_file.py have unrelated format and YAML "tags")
     secretish = re.compile(r"(tag|digest|mac|hmac)$", re.IGNORECASE)
     offenders = []
     root = Path(flodl.__file__).parent

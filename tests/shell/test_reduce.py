@@ -23,13 +23,10 @@ import uvloop
 from flodl.errors import CoordinatorLost, FrameError
 from flodl.rank.reduce_client import ReduceClient
 from flodl.service.reduce import ReduceServer
+from flodl.wire.data_hello import HELLO_BYTES, check_data_ack, encode_data_ack, encode_data_hello
 from flodl.wire.tensors import (
     CONSENSUS_SENDER,
-    HELLO_BYTES,
     TensorKind,
-    check_data_ack,
-    encode_data_ack,
-    encode_data_hello,
     encode_tensor_frame,
     send_buffers,
     upload_sender,

@@ -48,6 +48,8 @@ LAYERS: list[tuple[str, list[str]]] = [
         [
             "flodl.wire.stream",
             "flodl.wire.tensors",
+            "flodl.wire.tensor_read",
+            "flodl.wire.data_hello",
             "flodl.data",
             "flodl.outer",
             "flodl.checkpoint",
@@ -57,6 +59,8 @@ LAYERS: list[tuple[str, list[str]]] = [
             "flodl.monitor.*",
             "flodl.launch",
             "flodl.launch.cluster",
+            "flodl.launch.cluster_file",
+            "flodl.launch.builder",
             "flodl.launch.gpus",
             "flodl.launch.env",
         ],
@@ -246,10 +250,13 @@ def mode_comparisons(source: str) -> list[str]:
                 a.value for a in node.args if isinstance(a, ast.Constant) and a.value in MODE_WORDS
             ]
             others = [node.func.value]
-        elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant):
-            if node.value.value in MODE_WORDS:
-                consts = [node.value.value]
-                others = []
+        elif (
+            isinstance(node, ast.MatchValue)
+            and isinstance(node.value, ast.Constant)
+            and node.value.value in MODE_WORDS
+        ):
+            consts = [node.value.value]
+            others = []
         if not consts:
             continue
         context = " ".join(ast.unparse(o) for o in others)

@@ -1005,7 +1005,7 @@ def test_training_progress_keeps_the_watchdog_quiet() -> None:
 
 
 def test_resume_skips_probe_and_trains_only_the_uncovered_ranges() -> None:
-    from flodl.coord.elche import ElCheState
+    from flodl.coord.elche_state import ElCheState
     from flodl.coord.resume import ResumeState
 
     cfg = make_config("cpu_cadence", world_size=2, dataset_len=640, num_epochs=2)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from flodl.coord.elche import Phase
+from flodl.coord.elche_state import Phase
 from flodl.coord.meta import BASE_FACTOR, SUSTAIN_K, MetaController
 from flodl.coord.verdicts import ConvergenceAction, NudgeDown, Stable, SuppressGrowth
 from flodl.errors import ConfigError

@@ -8,18 +8,17 @@ from pathlib import Path
 import pytest
 
 from flodl.errors import ConfigError
+from flodl.launch.builder import ClusterBuilder
 from flodl.launch.cluster import (
     CLUSTER_ENV_VAR,
     Cluster,
-    ClusterBuilder,
     Controller,
     RankSlot,
     SshSettings,
     Worker,
-    load_cluster_yaml,
-    parse_cluster_yaml,
     reserved_env_reason,
 )
+from flodl.launch.cluster_file import load_cluster_yaml, parse_cluster_yaml
 
 FULL_YAML = """\
 cluster:

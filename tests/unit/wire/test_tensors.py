@@ -15,6 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flodl.errors import FrameError, LocalProtocolError
+from flodl.wire.tensor_read import (
+    decode_tensor_frame,
+    parse_header,
+    read_frame_payloads,
+    read_frame_prefix,
+    read_tensor_frame,
+)
 from flodl.wire.tensors import (
     CONSENSUS_SENDER,
     HEADER_BYTES,
@@ -28,7 +35,6 @@ from flodl.wire.tensors import (
     TensorKind,
     TensorLayout,
     WireDtype,
-    decode_tensor_frame,
     encode_frame_parts,
     encode_tensor_frame,
     entry_nbytes,
@@ -36,10 +42,6 @@ from flodl.wire.tensors import (
     frame_key,
     frame_nbytes,
     frame_tag,
-    parse_header,
-    read_frame_payloads,
-    read_frame_prefix,
-    read_tensor_frame,
     send_buffers,
     upload_sender,
 )
