@@ -228,7 +228,8 @@ class Trainer:
             from flodl.rank.runtime import RankLoop
 
             return Worker(
-                loop=RankLoop(rank_spec(config.heartbeat_timeout), job), launched=is_launched()
+                loop=RankLoop(rank_spec(config.heartbeat_timeout, job.save_path), job),
+                launched=is_launched(),
             )
         cluster = _resolve_cluster(config)
         if cluster is not None and cluster.world_size > 1:

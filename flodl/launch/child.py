@@ -21,9 +21,9 @@ from flodl.launch.env import (
     ENV_DEVICE,
     ENV_FINAL_DIR,
     ENV_RUN_ID,
-    ENV_STEM,
     ENV_THREADS,
     coord_address,
+    death_stem,
     final_state_path,
     is_launched,
     rank_env,
@@ -38,11 +38,13 @@ from flodl.timeouts import Timeouts
 __all__ = ["rank_spec", "run_as_rank", "exit_launched_rank"]
 
 
-def rank_spec(heartbeat_timeout: float) -> RankSpec:
+def rank_spec(heartbeat_timeout: float, save_path: str | None = None) -> RankSpec:
     """This rank's addresses, secret and initial deadlines from the environment.
 
     ``heartbeat_timeout`` (scaled by ``FLODL_NET_TIMEOUT_SCALE``) bounds only the connection and
     the handshake; from the coordinator's ``accept`` on, the rank obeys the deadlines it sends.
+    Death records go to :func:`~flodl.launch.env.death_stem` (``save_path``, when the job has
+    one, is where the bundles are too).
 
     Raises:
         ConfigError: a variable is missing or malformed (the message names it).
@@ -52,24 +54,25 @@ def rank_spec(heartbeat_timeout: float) -> RankSpec:
         raise AssertionError("rank_spec() called in a process that is not a rank")
     rank, world = found
     host, port = coord_address()
+    run_id = os.environ.get(ENV_RUN_ID, "run")
     threads = os.environ.get(ENV_THREADS)
     return RankSpec(
         coord_host=host,
         coord_port=port,
         secret=read_secret(),
-        run_id=os.environ.get(ENV_RUN_ID, "run"),
+        run_id=run_id,
         rank=rank,
         world_size=world,
         device=os.environ.get(ENV_DEVICE, "cpu"),
         timeouts=Timeouts.derive(heartbeat_timeout, timeout_scale()),
-        stem=os.environ.get(ENV_STEM) or None,
+        stem=death_stem(run_id, save_path),
         threads=int(threads) if threads else None,
     )
 
 
 def run_as_rank(job: TrainJob, heartbeat_timeout: float) -> TrainerHandle:
     """Train as this process's rank; a launched child never returns (it exits)."""
-    spec = rank_spec(heartbeat_timeout)
+    spec = rank_spec(heartbeat_timeout, job.save_path)
     launched = is_launched()
     try:
         state = run_rank(spec, job)

@@ -45,6 +45,7 @@ __all__ = [
     "MIN_SECRET_BYTES",
     "is_launched",
     "final_state_path",
+    "death_stem",
 ]
 
 ENV_RANK = "FLODL_RANK"
@@ -210,3 +211,17 @@ def read_secret_from_stdin() -> bytes:
 def final_state_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
     """Where a launched rank leaves its final state for the launcher (``FLODL_FINAL_DIR``)."""
     return Path(run_dir) / f"final.rank{rank}.pt"
+
+
+def death_stem(run_id: str, save_path: str | None) -> str:
+    """Where a rank that dies writes ``<stem>.rank<N>.death.json``: the launcher's choice
+    (``FLODL_STEM``), else the run's ``save_path`` (next to its bundles), else
+    ``flodl-runs/<run id>/run`` under the current directory. Nothing is written there unless a
+    rank dies."""
+    chosen = os.environ.get(ENV_STEM)
+    if chosen:
+        return chosen
+    if save_path:
+        return save_path
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:64] or "run"
+    return str(Path.cwd() / "flodl-runs" / safe / "run")

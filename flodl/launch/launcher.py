@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from flodl import checkpoint
 from flodl.chaos import CHAOS_ENV, RECORD_DIR_ENV
 from flodl.config import CoordConfig
 from flodl.coord.effects import (
@@ -59,6 +60,7 @@ from flodl.launch.env import (
     ENV_STEM,
     ENV_THREADS,
     ENV_WORLD,
+    death_stem,
     final_state_path,
     local_host_names,
     timeout_scale,
@@ -200,6 +202,8 @@ class _Launcher:
         )
         self.bundles.service = self.service
         self.run_dir = Path(tempfile.mkdtemp(prefix="flodl-"))
+        self.death_stem = death_stem(self.coord_cfg.run_id, job.save_path)
+        self.started_unix = int(time.time())  # noqa: TID251 - the death records' clock
         self.procs: list[subprocess.Popen[bytes]] = []
         self.pumps: list[threading.Thread] = []
         self.watchers: list[threading.Thread] = []
@@ -267,14 +271,14 @@ class _Launcher:
         return got
 
     def _base_env(self, port: int) -> dict[str, str]:
-        cfg, job = self.coord_cfg, self.job
+        cfg = self.coord_cfg
         env = {
             ENV_COORD: f"{self.bind_host}:{port}",
             ENV_WORLD: str(cfg.world_size),
             ENV_RUN_ID: cfg.run_id,
             ENV_LAUNCHED: "1",
             ENV_FINAL_DIR: str(self.run_dir),
-            ENV_STEM: job.save_path or str(self.run_dir / "run"),
+            ENV_STEM: self.death_stem,
         }
         if self.c.record_log is not None:  # rank-side records (chaos faults) go to the same tree
             env[RECORD_DIR_ENV] = self.c.record_log
@@ -373,13 +377,17 @@ class _Launcher:
             if over is None:
                 error = FlodlError("the coordinator stopped without ending the run")
             elif not over.ok and over.save_reason is None:
-                error = FlodlError(f"run failed: {over.reason} (rank exit codes {codes})")
+                error = FlodlError(
+                    f"run failed: {over.reason} (rank exit codes {codes}){self._deaths()}"
+                )
             elif over.save_reason is not None:
                 if state is not None:
                     state.save_reason = over.save_reason
                 error = training_stopped(over.save_reason, over.detail, self.job.save_path, state)
             elif state is None:
-                error = FlodlError(f"no rank delivered a final state (exit codes {codes})")
+                error = FlodlError(
+                    f"no rank delivered a final state (exit codes {codes}){self._deaths()}"
+                )
             else:
                 error = _disagreement(finals)
         except BaseException as exc:  # noqa: BLE001 - delivered to join()
@@ -390,6 +398,21 @@ class _Launcher:
                 self.monitor.close()  # the service stopped: every record is in; archive, stop
             shutil.rmtree(self.run_dir, ignore_errors=True)
         self.handle._finish(state, error)
+
+    def _deaths(self) -> str:
+        """What the ranks' death records say, for an error message."""
+        records = [
+            r
+            for r in checkpoint.death_records(self.death_stem)
+            if r.unix_time_secs >= self.started_unix - 1  # not an earlier run's
+        ]
+        if not records:
+            return ""
+        first = records[0]
+        where = checkpoint.death_path(self.death_stem, first.rank)
+        return (
+            f"; rank {first.rank} died of {first.error!r} ({len(records)} death record(s), {where})"
+        )
 
     def _join(self, finisher: threading.Thread) -> None:
         try:

@@ -272,3 +272,32 @@ def test_outer_momentum_is_checkpointed_and_restored(mode: str, tmp_path: Path) 
     assert "zero momentum" not in b.stderr  # restored, not restarted
     assert [m["epoch"] for m in metrics(b.stdout)] == [1]
     assert checkpoint.load_outer(stem) is not None
+
+
+@pytest.mark.timeout(150)
+def test_a_stop_without_a_save_path_says_so_and_the_dead_rank_left_its_record(
+    tmp_path: Path,
+) -> None:
+    """A lone collective survivor stops the run; without a save_path join() says there is no
+    bundle, and the dead rank's death record is in the documented default place, under the
+    launcher's current directory."""
+    out = subprocess.run(
+        [
+            *(sys.executable, str(SCRIPT), "--tag", f"flodl-test-{uuid.uuid4().hex}"),
+            *("--log-dir", str(tmp_path / "logs"), "--ranks", "2", "--mode", "nccl_cadence"),
+            *("--crash-rank", "1", "--crash-step", "5"),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "FLODL_NET_TIMEOUT_SCALE": "0.2", "PYTHONPATH": str(REPO)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    [stopped] = [line for line in out.stdout.splitlines() if line.startswith("STOPPED ")]
+    assert "training stopped (single_survivor)" in stopped
+    assert "no bundle to resume from (set save_path to save one at a stop)" in stopped
+    [record] = list(tmp_path.glob("flodl-runs/*/run.rank1.death.json"))
+    death = checkpoint.read_death_record(record)
+    assert death.rank == 1 and "injected failure on rank 1" in death.error

@@ -260,7 +260,8 @@ def test_ranks_obey_the_standalone_coordinators_timeouts(
 ) -> None:
     """``flodl coord --heartbeat-timeout 10`` (scaled by its own FLODL_NET_TIMEOUT_SCALE) rules
     the ranks' deadlines: ranks configured with the default 30 s, and no scale, lose a silent
-    coordinator after its timeout, not theirs, and say so in their death records."""
+    coordinator after its timeout, not theirs, and say so in their death records, which a rank
+    of this tier writes under ``flodl-runs/<run id>/`` when it has no save_path."""
     from flodl import checkpoint
 
     coord_env = {k: v for k, v in os.environ.items() if k != "FLODL_NET_TIMEOUT_SCALE"}
@@ -283,18 +284,19 @@ def test_ranks_obey_the_standalone_coordinators_timeouts(
                 "FLODL_SECRET_FILE": str(tmp_path / "secret"),
                 "FLODL_RANK": str(rank),
                 "FLODL_WORLD_SIZE": "2",
-                "FLODL_STEM": str(tmp_path / "run"),
             }
             cmd = [sys.executable, str(JOIN), "--out", str(tmp_path), "--epochs", "500"]
-            procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL))
+            procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL, cwd=tmp_path))
         assert coord.stderr is not None
         while "epoch 0:" not in (line := coord.stderr.readline()):  # the cohort trains
             assert line, "the coordinator ended before its first epoch"
         coord.send_signal(signal.SIGSTOP)  # silent, connections still open
         codes = [p.wait(timeout=120) for p in procs]
         assert all(code != 0 for code in codes)
+        # no save_path, no FLODL_STEM: the documented default place, under the rank's cwd
+        stem = tmp_path / "flodl-runs" / RUN_IDS[address] / "run"
         for rank in range(2):
-            record = checkpoint.read_death_record(str(tmp_path / "run"), rank)
+            record = checkpoint.read_death_record(str(stem), rank)
             assert f"liveness timeout {hb:g} s" in record.error, record.error
     finally:
         coord.send_signal(signal.SIGCONT)

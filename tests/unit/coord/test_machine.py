@@ -738,9 +738,13 @@ def test_stall_ceiling_at_exactly_300s(mode: str) -> None:
     assert sends(later, ShutdownWithSave) == [] and of(later, Alert) == []
     c.feed(Exiting(rank=0))
     over = c.feed(Exiting(rank=1))
+    waiting = "[1]" if mode == "nccl_cadence" else "[0, 1]"
+    detail = f"averaging cycle 1 pending for 300 s (ceiling 300 s); waiting for ranks {waiting}"
     assert over == [
         RankLeft(1),
-        RunOver(ok=False, reason="run stopped: reduce_stall", save_reason="reduce_stall"),
+        RunOver(
+            ok=False, reason="run stopped: reduce_stall", save_reason="reduce_stall", detail=detail
+        ),
     ]
 
 
@@ -773,6 +777,7 @@ def test_max_failure_absolute_broadcasts_one_shutdown_with_save() -> None:
             ok=False,
             reason="run stopped: max_failure_exceeded",
             save_reason="max_failure_exceeded",
+            detail="1 of 3 ranks dead, max_failure allows fewer than 1",
         ),
     ]
 
@@ -796,7 +801,12 @@ def test_cpu_losing_every_rank_is_all_ranks_lost() -> None:
     assert of(effects, WriteMeta) == []
     assert any(a.cls == "checkpoint_failed" for a in of(effects, Alert))
     assert of(effects, RunOver) == [
-        RunOver(ok=False, reason="run stopped: all_ranks_lost", save_reason="all_ranks_lost")
+        RunOver(
+            ok=False,
+            reason="run stopped: all_ranks_lost",
+            save_reason="all_ranks_lost",
+            detail="all 2 ranks lost",
+        )
     ]
 
 
