@@ -232,9 +232,25 @@ class Averaging:
         return self.elche.calibrated and not was
 
     def judge(self, steps: Sequence[int], out: list[Effect]) -> None:
-        """The guard's verdict on the closed windows, then the LR meta-controller's nudge,
-        through ElChe's verdict seam."""
+        """The guard's verdict on the closed windows and the LR meta-controller's nudge,
+        through ElChe's verdict seam, in the original's order: the meta-controller observes the
+        guard's action and its nudge goes first (a nudge discards a staged growth proposal,
+        which the guard's Stable would otherwise commit), then the guard's verdict."""
         action = self._guard_action(steps)
+        if self.meta_controller is not None:
+            nudge = self.meta_controller.observe(
+                self.last_lr, self.elche.anchor, action, self.elche.phase
+            )
+            if nudge is not None:
+                self.elche.apply_verdict(nudge)
+                causes = ", ".join(self.meta_controller.last_causes)
+                out.append(
+                    Alert(
+                        "drift",
+                        "root",
+                        f"LR meta-controller nudged the anchor down ×{nudge.factor:.3g} ({causes})",
+                    )
+                )
         stable = isinstance(action, Stable)
         if stable:
             self.elche.apply_verdict(
@@ -247,12 +263,6 @@ class Averaging:
                     Alert("drift", "root", f"guard nudged the anchor down ×{action.factor:g}")
                 )
         self.dispatch.observe_verdict(stable)
-        if self.meta_controller is not None:
-            nudge = self.meta_controller.observe(
-                self.last_lr, self.elche.anchor, action, self.elche.phase
-            )
-            if nudge is not None:
-                self.elche.apply_verdict(nudge)
 
     def _guard_action(self, steps: Sequence[int]) -> ConvergenceAction:
         if not self.traits.adaptive_window:

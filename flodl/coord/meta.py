@@ -117,6 +117,9 @@ class MetaController:
         self._lr_window: deque[float] = deque(maxlen=lr_window_cap)
         self._anchor_window: deque[int] = deque(maxlen=anchor_window_cap)
         self._guard_window: deque[ConvergenceAction] = deque(maxlen=guard_window_cap)
+        self.last_causes: tuple[str, ...] = ()
+        """Why the latest :meth:`observe` nudged: ``"LR cliff a → b"`` and/or
+        ``"k non-Stable verdicts"``; empty when it did not."""
 
     @property
     def lr_window(self) -> tuple[float, ...]:
@@ -141,7 +144,7 @@ class MetaController:
         Args:
             lr: the first rank's most recent LR, ``None`` while no LR is known (then this is a
                 no-op that records nothing).
-            anchor: ElChe's anchor after this cycle's verdict.
+            anchor: ElChe's anchor before this cycle's verdicts (the nudge goes first).
             verdict: the convergence guard's action this cycle.
             phase: ElChe's phase.
 
@@ -149,6 +152,7 @@ class MetaController:
             ``NudgeDown(factor)`` with the final factor (base, trend term and clamps applied;
             compounded when both watchers fire), or ``None``.
         """
+        self.last_causes = ()
         if lr is None:
             return None
         self._lr_window.append(lr)
@@ -158,12 +162,16 @@ class MetaController:
             return None
         trend = self.anchor_trend()
         factors: list[float] = []
+        causes: list[str] = []
         if self._sharp_drop_detected():
             factors.append(self._effective_factor(LR_CLIFF_BASE_FACTOR, trend))
+            causes.append(f"LR cliff {self._lr_window[-2]:g} → {self._lr_window[-1]:g}")
         if self._convergence_pattern_fires(phase):
             factors.append(self._effective_factor(BASE_FACTOR[phase], trend))
+            causes.append(f"{SUSTAIN_K[phase]} non-Stable guard verdicts")
         if not factors:
             return None
+        self.last_causes = tuple(causes)
         return NudgeDown(self._clamp(math.prod(factors)))
 
     def anchor_trend(self) -> float:

@@ -14,6 +14,7 @@ production rank reacts to every frame.
 * the executor reports back: :meth:`~RankProtocol.trained` (the ``batch`` frame, and
   ``metrics`` when a slice ends), :meth:`~RankProtocol.begin_reduce` /
   :meth:`~RankProtocol.end_reduce` (``snapshot_ready``, ``sync_ack``),
+  :meth:`~RankProtocol.lr_set` (``lr_update`` when the LR it applied changed),
   :meth:`~RankProtocol.collective_failed` (frames other than ``new_session``, a save and a stop
   are held until the group re-forms, then replayed in order).
 
@@ -23,6 +24,7 @@ inbox; the protocol sees them in arrival order, which the control connection (TC
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,6 +38,7 @@ from flodl.wire.frames import (
     EvalBroadcast,
     ExecuteEval,
     ExtendPartition,
+    LrUpdate,
     Metrics,
     NewSession,
     RequestParams,
@@ -236,6 +239,7 @@ class RankProtocol:
         self.last_eval: tuple[int, float] | None = None
         self.stopped: Stop | None = None
         self.sums = StepSums()
+        self.last_lr: float | None = None
 
     # ------------------------------------------------------------------ frames in
     def receive(self, frame: CoordFrame) -> list[Action]:
@@ -334,6 +338,14 @@ class RankProtocol:
     def lr_step(self) -> int:
         """The step the LR schedule is evaluated at (the global step plus local progress)."""
         return self.global_step + self.local_since_avg
+
+    def lr_set(self, lr: float) -> LrUpdate | None:
+        """The rank set its optimizer's LR: the ``lr_update`` frame to send when the value
+        changed (a non-finite or negative LR is applied but never reported)."""
+        if lr == self.last_lr or not math.isfinite(lr) or lr < 0:
+            return None
+        self.last_lr = lr
+        return LrUpdate(rank=self.rank, lr=lr)
 
     # ------------------------------------------------------------------ reports back
     def broadcasted(self) -> None:

@@ -76,7 +76,6 @@ from flodl.wire.frames import (
     EvalResult,
     Exiting,
     Hello,
-    LrUpdate,
     SaveConsensusModel,
 )
 
@@ -130,7 +129,6 @@ class RankLoop:
         )
         self.timeouts = spec.timeouts
         self._perm: tuple[int, list[int]] | None = None
-        self.last_lr: float | None = None
         self.model: torch.nn.Module
         self.optim: torch.optim.Optimizer
         self.bridge: RankBridge | None = None
@@ -543,9 +541,9 @@ class RankLoop:
         lr = float(self.scheduler(self.protocol.lr_step())) * self.lr_scale
         for group in self.optim.param_groups:
             group["lr"] = lr
-        if lr != self.last_lr and math.isfinite(lr) and lr >= 0:
-            self.last_lr = lr
-            self._send(LrUpdate(rank=self.spec.rank, lr=lr))
+        update = self.protocol.lr_set(lr)
+        if update is not None:
+            self._send(update)
 
     # ------------------------------------------------------------------ averaging
     def _reduce(self, cycle: int) -> None:

@@ -31,13 +31,14 @@ import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from flodl.config import CoordConfig, ElCheConfig, MaxFailure, validated
 from flodl.coord.cycle import should_average
 from flodl.coord.effects import (
+    Alert,
     Effect,
     EpochDone,
     OpenReduce,
@@ -115,6 +116,8 @@ class SimTrace:
     """Ranks that failed on their own (a data-plane timeout, a refused upload): never
     expected without a fault injected into them."""
     shutdowns_with_save: int = 0
+    alerts: list[tuple[float, str, str]] = field(default_factory=list)
+    """(virtual time, class, detail) of every alert the coordinator raised."""
     digest: str = ""
     steps: int = 0
 
@@ -190,6 +193,11 @@ class SimCluster:
         epoch_fn_ms: wall time of ``epoch_fn`` on the epoch-callback role rank at every epoch
             transition (0: no epoch_fn); it blocks that rank, as a real callback.
         elche: ElChe overrides applied to the mode's preset.
+        divergence: the divergence rank ``r`` measures around cycle ``c`` as
+            ``divergence(c, r)`` and sends in its ``sync_ack`` (``None``: it reports none, as
+            without a model); the convergence guard and the LR meta-controller judge it.
+        lr: the LR rank ``r`` reports at its step ``s`` as ``lr(s, r)`` (an ``lr_update``
+            frame each time the value changes; ``None``: the rank has no scheduler).
     """
 
     def __init__(
@@ -213,6 +221,8 @@ class SimCluster:
         check_invariants: bool = True,
         elche: dict[str, Any] | None = None,
         epoch_fn_ms: float = 0.0,
+        divergence: Callable[[int, int], float | None] | None = None,
+        lr: Callable[[int, int], float] | None = None,
     ) -> None:
         if len(speeds) != world_size:
             raise ValueError(f"speeds has {len(speeds)} entries for world_size {world_size}")
@@ -232,6 +242,8 @@ class SimCluster:
         )
         self.traits = self.config.elche.traits
         self.epoch_fn_s = epoch_fn_ms / 1000.0
+        self.divergence = divergence
+        self.lr = lr
         self.mode = mode
         self.rng = random.Random(seed)
         self.seed = seed
@@ -387,6 +399,8 @@ class SimCluster:
                     self.trace.epochs.append(m)
                     cov = self.coord.coverage(m.epoch)
                     self.trace.coverage_ok.append(cov is not None and cov.ok)
+                case Alert(cls=cls, detail=detail):
+                    self.trace.alerts.append((self.now, cls, detail))
                 case RunOver(ok=ok, reason=reason, save_reason=save):
                     self.trace.ok, self.trace.reason, self.trace.save_reason = ok, reason, save
                 case _:
@@ -480,6 +494,10 @@ class SimCluster:
         self._to_coord(Exiting(rank=r.rank))
 
     def _start_batch(self, r: _SimRank) -> None:
+        if self.lr is not None:
+            update = r.proto.lr_set(self.lr(r.proto.lr_step(), r.rank))
+            if update is not None:
+                self._to_coord(update)
         ms = r.ms_per_batch * self.rng.uniform(1 - self.jitter, 1 + self.jitter)
         r.busy = "batch"
         r.busy_s += ms / 1000.0
@@ -575,7 +593,8 @@ class SimCluster:
             if cycle == 0:
                 r.proto.broadcasted()
             else:
-                self._to_coord(r.proto.end_reduce(cycle))
+                d = None if self.divergence is None else self.divergence(cycle, rank)
+                self._to_coord(r.proto.end_reduce(cycle, divergence=d))
             self._step(r)
 
     def _reduce_timeout(self, payload: tuple[int, int]) -> None:

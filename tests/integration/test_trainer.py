@@ -104,6 +104,26 @@ def test_local_ranks_tier_runs_the_same_script_and_leaves_no_process() -> None:
 
 
 @pytest.mark.timeout(150)
+def test_a_schedulers_lr_cliff_reaches_the_coordinator_and_halves_the_window() -> None:
+    """scheduler_fn → the rank's lr_update → the LR meta-controller's nudge (its alert is the
+    user-visible trace); the run without a drop has none."""
+    tag = f"flodl-test-{uuid.uuid4().hex}"
+    cliff = run_script(tag, "--ranks", "2", "--epochs", "2", "--lr-drop-at", "96")
+    steady = run_script(tag, "--ranks", "2", "--epochs", "2")
+    for out in (cliff, steady):
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "DONE params=4 world=2" in out.stdout
+    # (the convergence watcher may nudge too, on the guard's verdicts: only cliffs counted)
+    nudges = [ln for ln in cliff.stdout.splitlines() if "LR cliff" in ln]
+    # 2 ranks: the LR is scaled ×2 (lr_scale_ratio 1), so 0.1 → 0.01 arrives as 0.2 → 0.02
+    assert len(nudges) == 1, cliff.stdout[-3000:]
+    assert nudges[0].startswith("flodl [drift] root: LR meta-controller nudged the anchor down ×")
+    assert nudges[0].endswith("(LR cliff 0.2 → 0.02)")
+    assert "LR meta-controller" not in steady.stdout  # no scheduler: no LR to watch
+    assert processes_with(tag) == []
+
+
+@pytest.mark.timeout(150)
 def test_a_crashing_rank_is_survived_and_leaves_no_process() -> None:
     tag = f"flodl-test-{uuid.uuid4().hex}"
     out = run_script(tag, "--ranks", "3", "--crash-rank", "1", "--crash-step", "20")

@@ -1,7 +1,8 @@
 """A user script for the Trainer tier tests: ``python trainer_main.py --tag T [options]``.
 
 The launcher re-executes this very script per rank (``--tag`` lets the test find every process
-of one run). ``--crash-rank R --crash-step S`` makes rank R raise in train_step at step S.
+of one run). ``--crash-rank R --crash-step S`` makes rank R raise in train_step at step S;
+``--lr-drop-at S`` gives every rank a ``scheduler_fn`` that cuts the LR 10× from step S.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=4096)
     p.add_argument("--crash-rank", type=int, default=-1)
     p.add_argument("--crash-step", type=int, default=0)
+    p.add_argument("--lr-drop-at", type=int, default=-1)
     args = p.parse_args()
     print(f"process rank={os.environ.get('FLODL_RANK', 'launcher')}", flush=True)
 
@@ -39,7 +41,7 @@ def main() -> None:
             raise RuntimeError(f"injected failure on rank {me} at step {steps['n']}")
         return F.cross_entropy(model(batch[0]), batch[1])
 
-    handle = (
+    builder = (
         Trainer.builder(
             lambda device: torch.nn.Sequential(
                 torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
@@ -53,8 +55,11 @@ def main() -> None:
         .elche(ElCheConfig.preset(args.mode))
         .local_ranks(args.ranks)
         .metrics_fn(lambda m: print(f"epoch {m.epoch} loss {m.avg_loss:.4f}", flush=True))
-        .run()
     )
+    if args.lr_drop_at >= 0:
+        drop = args.lr_drop_at
+        builder = builder.scheduler_fn(lambda rank: lambda step: 0.1 if step < drop else 0.01)
+    handle = builder.run()
     state = handle.join()
     print(f"DONE params={len(state.params)} world={handle.world_size}", flush=True)
 

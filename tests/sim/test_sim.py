@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any
 
 import pytest
 
 from flodl.config import MODES, MaxFailure
+from flodl.coord.guards import TREND_THRESHOLD_DEFAULT, TREND_THRESHOLD_EASGD
 from flodl.sim import Failure, SimCluster, SimTrace
 
 SMALL = {"dataset_len": 3200, "batch_size": 32, "epochs": 2}
@@ -169,3 +171,63 @@ def test_slow_epoch_fn_is_not_mistaken_for_slow_compute_and_runs_in_slack() -> N
     # 6 callbacks × 0.5 s: the first (cost not known yet) and the last (after the last epoch)
     # stall the cohort; the others cost about a third (one rank's compute spread over three)
     assert tr.wall_s - base.wall_s < 0.75 * 6 * 0.5
+
+
+# The guard → coordinator path and the LR path, with the ranks' real protocol: a rank's
+# measured divergence rides its sync_ack and an LR change its lr_update, as in production.
+JUDGED: dict[str, Any] = {"dataset_len": 32_000, "epochs": 2, "seed": 1, "reduce_ms": 20.0}
+
+
+def _judged(mode: str, **kw: Any) -> SimTrace:
+    tr = SimCluster(2, mode, [10.0, 10.0], **JUDGED, **kw).run()
+    assert tr.ok, tr.reason
+    assert tr.coverage_ok == [True, True]
+    return tr
+
+
+@pytest.mark.parametrize(
+    ("mode", "threshold"),
+    [
+        ("nccl_cadence", TREND_THRESHOLD_DEFAULT),
+        ("cpu_cadence", TREND_THRESHOLD_DEFAULT),
+        ("cpu_async", TREND_THRESHOLD_EASGD),  # EASGD's own threshold, 0.3
+    ],
+)
+def test_rising_divergence_stops_the_window_growing(mode: str, threshold: float) -> None:
+    """The default guard (three strict rises above the threshold) suppresses growth that the
+    20 ms reduce would otherwise buy: the anchor stays where it was when the rises began."""
+    free = _judged(mode)
+    rising = _judged(mode, divergence=lambda cycle, rank: 1.2 * threshold * 1.2**cycle)
+    assert max(free.anchors) >= 38
+    assert max(rising.anchors) <= 20
+    assert not [a for a in rising.alerts if a[1] == "drift"]  # the trend guard never nudges
+
+
+def test_an_exploding_divergence_nudges_the_anchor_down_with_a_drift_alert() -> None:
+    """MSF: λ = ln(D_t / D_t−1) / k_max above 1e-2 for three reduces halves the anchor, and
+    the coordinator says so; a flat divergence leaves the growth alone."""
+    msf = {"convergence_guard": "msf"}
+    flat = _judged("nccl_cadence", elche=msf, divergence=lambda cycle, rank: 1e-3)
+    exploding = _judged("nccl_cadence", elche=msf, divergence=lambda cycle, rank: 1e-3 * 1.5**cycle)
+    assert max(flat.anchors) >= 38 and not [a for a in flat.alerts if a[1] == "drift"]
+    drift = [a for a in exploding.alerts if a[1] == "drift"]
+    assert drift and drift[0][2] == "guard nudged the anchor down ×0.5"
+    peak = exploding.anchors.index(max(exploding.anchors))
+    assert exploding.anchors[peak + 1] == exploding.anchors[peak] // 2
+    assert exploding.anchors[-1] < max(exploding.anchors)
+
+
+def test_an_lr_cliff_from_the_schedule_halves_the_anchor() -> None:
+    """The ranks' scheduler drops the LR 10× at step 1000: the lr_update reaches the
+    meta-controller, which halves the anchor once; the window then grows back."""
+    steady = _judged("nccl_cadence", lr=lambda step, rank: 0.1)
+    gentle = _judged("nccl_cadence", lr=lambda step, rank: 0.1 if step < 1000 else 0.08)
+    cliff = _judged("nccl_cadence", lr=lambda step, rank: 0.1 if step < 1000 else 0.01)
+    assert sorted(set(steady.anchors)) == steady.anchors  # grow-only without a cliff
+    assert sorted(set(gentle.anchors)) == gentle.anchors  # a 20 % drop is not a cliff
+    drops = [(a, b) for a, b in itertools.pairwise(cliff.anchors) if b < a]
+    assert drops == [(40, 20)]
+    assert [a[2] for a in cliff.alerts if a[1] == "drift"] == [
+        "LR meta-controller nudged the anchor down ×0.5 (LR cliff 0.1 → 0.01)"
+    ]
+    assert not [a for a in steady.alerts + gentle.alerts if a[1] == "drift"]

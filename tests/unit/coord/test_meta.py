@@ -56,7 +56,9 @@ def test_lr_cliff_fires_eff_half() -> None:
     meta = MetaController()
     actions = observe_all(meta, Phase.WARMUP, [(0.1, 10, STABLE), (0.05, 10, STABLE)])
     assert actions == [None, NudgeDown(0.5)]  # flat anchor: trend 0, eff(0.5) = 0.5
+    assert meta.last_causes == ("LR cliff 0.1 → 0.05",)
     assert meta.observe(0.05, 10, STABLE, Phase.WARMUP) is None  # one-shot per drop
+    assert meta.last_causes == ()
 
 
 def test_lr_rises_and_gentle_drops_are_ignored() -> None:
@@ -76,6 +78,7 @@ def test_convergence_watcher_needs_k_non_stable_verdicts(phase: Phase, k: int, b
     actions = observe_all(meta, phase, [(0.1, 10, v) for v in verdicts[:k]])
     assert actions[:-1] == [None] * (k - 1)
     assert factor(actions[-1]) == pytest.approx(base)
+    assert meta.last_causes == (f"{k} non-Stable guard verdicts",)
     assert meta.observe(0.1, 10, STABLE, phase) is None  # one Stable breaks the pattern
 
 
