@@ -76,6 +76,7 @@ STREAM_TAGS = (reduce_server.INLINE_TAG_BYTES, reduce_client.INLINE_TAG_BYTES)
 NEVER = 1 << 62  # an inline-tag threshold no frame reaches: tag first, then send
 
 SECRET = b"bench-reduce-secret-0123456789ab"
+RUN_ID = "bench-reduce"
 PARAM_TENSORS = 4
 BUFFER_NUMEL = 256
 TARGET_F32 = 1.2
@@ -111,7 +112,7 @@ def _cpu_rank(rank: int, world: int, jobs: Any, results: Any, barrier: Any) -> N
         port, mib, bf16, reps, stream = job
         reduce_client.INLINE_TAG_BYTES = STREAM_TAGS[1] if stream else NEVER
         params, buffers = _model(mib, rank)
-        client = ReduceClient("127.0.0.1", port, SECRET, rank, world, bf16_wire=bf16)
+        client = ReduceClient("127.0.0.1", port, SECRET, rank, world, run_id=RUN_ID, bf16_wire=bf16)
         client.connect(30.0)
         try:
             client.reduce(0, params, 1.0 if rank == 0 else 0.0, buffers, rank == 0)  # warm-up
@@ -175,6 +176,7 @@ def measure_cpu(
             done: queue.SimpleQueue[int] = queue.SimpleQueue()
             server = ReduceServer(
                 SECRET,
+                run_id=RUN_ID,
                 world_size=world,
                 on_done=functools.partial(_report_done, done),
                 max_frame_bytes=max(2 * mib * MIB + MIB, 64 * MIB),

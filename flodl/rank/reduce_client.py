@@ -35,7 +35,9 @@ from flodl.errors import CoordinatorLost, FrameError, LocalProtocolError
 from flodl.wire.data_hello import (
     DATA_HANDSHAKE_TIMEOUT_S,
     HELLO_BYTES,
+    DataKeys,
     check_data_ack,
+    data_keys,
     encode_data_hello,
 )
 from flodl.wire.tensor_read import FramePrefix, read_frame_payloads, read_frame_prefix
@@ -69,6 +71,8 @@ class ReduceClient:
         secret: the run secret.
         rank: this rank.
         world_size: number of ranks in the run.
+        run_id: the run's id (with the secret, keys the handshake; the connection's own keys
+            come from it: :mod:`flodl.wire.data_hello`).
         bf16_wire: send (and receive) f32 tensors as bfloat16 after round 0.
         timeout_s: deadline of each read and send on the connection, seconds; it bounds the
             wait for a round's consensus too, so it must exceed the slowest rank's window.
@@ -84,6 +88,7 @@ class ReduceClient:
         rank: int,
         world_size: int,
         *,
+        run_id: str,
         bf16_wire: bool = False,
         timeout_s: float = 120.0,
     ) -> None:
@@ -94,6 +99,8 @@ class ReduceClient:
         self.host = host
         self.port = port
         self.secret = secret
+        self.run_id = run_id
+        self._keys: DataKeys | None = None
         self.rank = rank
         self.world_size = world_size
         self.bf16_wire = bf16_wire
@@ -118,7 +125,7 @@ class ReduceClient:
         Raises:
             CoordinatorLost: the server could not be reached in time, or closed the
                 connection during the handshake (it refused this rank: see its log).
-            FrameError: the server's answer is not a valid ack (wrong secret).
+            FrameError: the server's answer is not a valid ack (wrong secret, another run).
         """
         if self._sock is not None or self._closed:
             raise LocalProtocolError("ReduceClient.connect() called twice")
@@ -138,7 +145,7 @@ class ReduceClient:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(min(HANDSHAKE_TIMEOUT_S, self.timeout_s))
-            hello = encode_data_hello(self.secret, self.rank, self.world_size)
+            hello = encode_data_hello(self.secret, self.run_id, self.rank, self.world_size)
             sock.sendall(hello)
             ack = bytearray(HELLO_BYTES)
             view = memoryview(ack)
@@ -151,7 +158,8 @@ class ReduceClient:
                         "(see the coordinator's log)"
                     )
                 got += n
-            check_data_ack(self.secret, hello, ack)
+            check_data_ack(self.secret, self.run_id, hello, ack)
+            self._keys = data_keys(self.secret, self.run_id, hello, ack)
             sock.settimeout(self.timeout_s)
         except BaseException as exc:
             sock.close()
@@ -330,11 +338,13 @@ class ReduceClient:
         """Send both frames; large frames are authenticated on the helper thread meanwhile."""
         tags: list[Future[bytes] | bytes] = []
         sender = upload_sender(self.rank)
+        assert self._keys is not None
+        key = self._keys.upload
         for head, payloads in frames:
             if sum(p.nbytes for p in payloads) < INLINE_TAG_BYTES:
-                tags.append(frame_tag(self.secret, head, payloads, sender=sender))
+                tags.append(frame_tag(key, head, payloads, sender=sender))
             else:
-                tags.append(tagger.submit(frame_tag, self.secret, head, payloads, sender=sender))
+                tags.append(tagger.submit(frame_tag, key, head, payloads, sender=sender))
         try:
             for (head, payloads), tag in zip(frames, tags, strict=True):
                 send_buffers(sock, [head, *payloads])
@@ -354,9 +364,10 @@ class ReduceClient:
 
     def _download(self, kind: TensorKind, cycle: int) -> tuple[float, list[torch.Tensor]]:
         """Receive one consensus frame into the preallocated tensors; return its weight."""
+        assert self._keys is not None
         prefix = read_frame_prefix(
             self._recv_into,
-            secret=self.secret,
+            secret=self._keys.consensus,
             max_frame_bytes=self._max_frame_bytes,
             table_nbytes=self._tables.get(kind),
             sender=CONSENSUS_SENDER,

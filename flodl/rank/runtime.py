@@ -276,6 +276,7 @@ class RankLoop:
                 spec.secret,
                 spec.rank,
                 spec.world_size,
+                run_id=spec.run_id,
                 bf16_wire=self.el.bf16_wire,
                 timeout_s=self.timeouts.data_io_s,
             )

@@ -67,6 +67,7 @@ class CoordinatorService:
         if self.config.elche.traits.cpu_averaging:
             self._reduce = ReduceServer(
                 self.secret,
+                run_id=self.config.run_id,
                 host=self.host,
                 world_size=self.config.world_size,
                 on_done=self._on_reduce_done,

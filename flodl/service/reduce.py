@@ -81,7 +81,10 @@ from flodl.service.refusals import Refusals
 from flodl.wire.data_hello import (
     DATA_HANDSHAKE_TIMEOUT_S,
     HELLO_BYTES,
+    consensus_key,
+    data_keys,
     encode_data_ack,
+    new_nonce,
     parse_data_hello,
 )
 from flodl.wire.tensor_read import read_frame_payloads, read_frame_prefix
@@ -114,7 +117,9 @@ class ReduceServer:
     """Average ranks' parameters and buffers on the coordinator's CPUs.
 
     Args:
-        secret: the run secret (authenticates the handshake and every frame).
+        secret: the run secret (with ``run_id``, keys the handshake and every frame:
+            :mod:`flodl.wire.data_hello`).
+        run_id: the run's id; a hello or frame of another run is refused.
         host: address to bind.
         port: port to bind, 0 for any.
         world_size: number of ranks; a hello for another world size is refused.
@@ -137,6 +142,7 @@ class ReduceServer:
         self,
         secret: bytes,
         *,
+        run_id: str,
         host: str = "127.0.0.1",
         port: int = 0,
         world_size: int,
@@ -152,6 +158,9 @@ class ReduceServer:
         if read_timeout_s <= 0:
             raise LocalProtocolError(f"read_timeout_s must be > 0, got {read_timeout_s}")
         self.secret = secret
+        self.run_id = run_id
+        self._nonce = new_nonce()
+        self._consensus_key = consensus_key(secret, run_id, self._nonce)
         self.host = host
         self.port = port
         self.world_size = world_size
@@ -420,6 +429,9 @@ class ReduceServer:
                     self._inflight.sending.discard(conn.rank)
                 self._cond.notify_all()
 
+    def _consensus_tag(self, out: Outgoing) -> bytes:
+        return frame_tag(self._consensus_key, out.head, out.payloads, sender=CONSENSUS_SENDER)
+
     def _handshake(self, conn: Conn) -> None:
         sock = conn.sock
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
@@ -432,7 +444,7 @@ class ReduceServer:
             if n == 0:
                 raise Refused(f"closed after {got} of {HELLO_BYTES} hello bytes")
             got += n
-        rank, world_size = parse_data_hello(self.secret, hello)
+        rank, world_size = parse_data_hello(self.secret, self.run_id, hello)
         if world_size != self.world_size:
             raise Refused(f"hello for a world of {world_size}, this run has {self.world_size}")
         if not 0 <= rank < world_size:
@@ -446,7 +458,9 @@ class ReduceServer:
                 raise Refused(f"rank {rank} already has a live data connection")
             self._by_rank[rank] = conn
             conn.rank = rank
-        sock.sendall(encode_data_ack(self.secret, hello))
+        ack = encode_data_ack(self.secret, self.run_id, hello, self._nonce)
+        conn.upload_key = data_keys(self.secret, self.run_id, hello, ack).upload
+        sock.sendall(ack)
         logger.info("rank %d connected to the reduce server from %s", rank, conn.peer)
 
     def _receive_upload(self, conn: Conn, reader: Reader) -> tuple[int, Upload]:
@@ -481,7 +495,7 @@ class ReduceServer:
             model = self._models.get(kind)
         prefix = read_frame_prefix(
             reader,
-            secret=self.secret,
+            secret=conn.upload_key,
             max_frame_bytes=self.max_frame_bytes,
             table_nbytes=None if model is None else model.table_nbytes,
             sender=upload_sender(conn.rank),
@@ -609,7 +623,7 @@ class ReduceServer:
                 frames[rank] = variants[key]
         for out in outgoing:
             if sum(p.nbytes for p in out.payloads) < INLINE_TAG_BYTES:
-                out.tag = frame_tag(self.secret, out.head, out.payloads, sender=CONSENSUS_SENDER)
+                out.tag = self._consensus_tag(out)
         with self._cond:
             if self._closing:
                 return
@@ -622,7 +636,7 @@ class ReduceServer:
             rnd.consensus = self._inflight = consensus
             self._cond.notify_all()
         for out in [o for o in outgoing if o.tag is None]:  # sent meanwhile
-            tag = frame_tag(self.secret, out.head, out.payloads, sender=CONSENSUS_SENDER)
+            tag = self._consensus_tag(out)
             with self._cond:
                 out.tag = tag
                 self._cond.notify_all()

@@ -29,6 +29,8 @@ class Conn:
     peer: str
     thread: threading.Thread | None = None
     rank: int | None = None
+    upload_key: bytes = b""
+    """The key of this connection's uploads, agreed by its handshake."""
     closed: bool = False  # shut down on purpose (reason already logged)
     released: bool = False  # socket closed: never touch it again
     params: Flat | None = None

@@ -151,7 +151,7 @@ def read_tensor_frame(
             buffer, returns how many bytes it wrote, 0 at EOF.
         out: one destination per tensor of the frame, same shapes; float32 destinations also
             accept bf16 payloads.
-        secret: the run secret (derives the frame's Poly1305 key).
+        secret: the key of this direction of the channel (derives the frame's Poly1305 key).
         max_frame_bytes: ceiling on the whole frame, checked before any payload is read (see
             :func:`~flodl.wire.tensors.frame_ceiling`).
         scratch: optional uint8 CPU tensor reused as the staging buffer across calls; it is
@@ -242,7 +242,9 @@ def _read_payloads(
     tag = memoryview(bytearray(TAG_BYTES))
     _recv_exactly(recv_into, tag, None, "auth tag")
     if not hmac.compare_digest(mac.finalize(), tag):
-        raise FrameError("bad tensor frame auth tag (wrong run secret or corrupted frame)")
+        raise FrameError(
+            "bad tensor frame auth tag (not keyed to this run, server and connection, or corrupted)"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +283,7 @@ def read_frame_prefix(
 
     Args:
         recv_into: as for :func:`read_tensor_frame`.
-        secret: the run secret (derives the frame's Poly1305 key).
+        secret: the key of this direction of the channel (derives the frame's Poly1305 key).
         max_frame_bytes: ceiling on the whole frame, checked before any payload is read.
         table_nbytes: size of the table when the reader knows it (a frame like the previous
             one: :attr:`TensorLayout.table_nbytes`); it is then read in one call. ``None``
@@ -437,7 +439,7 @@ def decode_tensor_frame(
     Args:
         data: exactly one frame.
         out: as for :func:`read_tensor_frame`.
-        secret: the run secret (derives the frame's Poly1305 key).
+        secret: the key of this direction of the channel (derives the frame's Poly1305 key).
         max_frame_bytes: ceiling on the frame size.
         scratch: as for :func:`read_tensor_frame`.
         sender: as for :func:`read_tensor_frame`.

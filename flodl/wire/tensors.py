@@ -1,6 +1,6 @@
 """Data-plane tensor frames: a list of CPU tensors on a raw socket, without copying payloads.
 
-The CPU reduce channel (DESIGN.md §5, flodl-spec §7.4) moves whole models (256 MiB and more
+The CPU reduce channel (docs/design.md §7) moves whole models (256 MiB and more
 per frame), so this codec never concatenates: :func:`encode_tensor_frame` returns a buffer list
 for ``socket.sendmsg`` whose f32 payloads are views of the tensors' own memory, and
 :func:`~flodl.wire.tensor_read.read_tensor_frame` receives each payload straight into the
@@ -18,16 +18,21 @@ Layout (one frame; every header and table field in network byte order)::
     payloads, in table order: nbytes raw bytes each, native little-endian
     auth tag, TAG_BYTES = 16
       Poly1305(k, every preceding byte of the frame), with the one-time key
-      k = HMAC-SHA256(secret, b"flodl-tensor-frame-v2" || header and table || sender)
+      k = HMAC-SHA256(key, b"flodl-tensor-frame-v2" || header and table || sender)
 
-``sender`` says who sent the frame in which direction (it is not on the wire: both ends know
-it): :func:`upload_sender` of the rank for an upload, :data:`CONSENSUS_SENDER` for the
-server's consensus. The key covers the header (kind, weight, round, count), the whole table
-(dtypes, shapes, elisions) and the sender, so no two different frames of a run get the same
-Poly1305 key as long as each sender sends one frame per ``(kind, round)`` and table: a rank
-uploads each round once, and the server's consensus variants of one round (f32 and bf16
-wires) differ in their tables. A frame replayed under another round, kind or rank, or in the
-other direction, fails its tag. Version 1 frames (a truncated HMAC-SHA256 tag) are refused.
+``key`` is what the data channel's handshake agreed (:mod:`flodl.wire.data_hello`): the
+connection's upload key for an upload (bound to the run id, the rank and both ends' nonces),
+the server's consensus key for a consensus (bound to the run id and the server's nonce); the
+functions here call it ``secret`` and take any bytes, so standalone frames (tests, benchmarks)
+can use a plain secret. ``sender`` says who sent the frame in which direction (it is not on
+the wire: both ends know it): :func:`upload_sender` of the rank for an upload,
+:data:`CONSENSUS_SENDER` for the server's consensus. The one-time key covers the header (kind,
+weight, round, count), the whole table (dtypes, shapes, elisions) and the sender, so no two
+different frames get the same Poly1305 key as long as each key sends one frame per
+``(kind, round)`` and table: a connection uploads each round once, and a server's consensus
+variants of one round (f32 and bf16 wires) differ in their tables. A frame replayed under
+another round, kind, rank, connection, server or run, or in the other direction, fails its
+tag. Version 1 frames (a truncated HMAC-SHA256 tag) are refused.
 
 ``nbytes`` is either ``numel * itemsize`` or 0. ``nbytes = 0`` with ``numel > 0`` is the
 all-zero elision of protocol version 3 in the original: the tensor is all zeros and carries no
@@ -423,7 +428,8 @@ def encode_tensor_frame(
         kind: what the frame carries.
         weight: finite and >= 0.
         round: reduce round, 0 <= round < 2**64.
-        secret: the run secret (derives the frame's Poly1305 key, see :func:`frame_key`).
+        secret: the key of this direction of the channel (derives the frame's Poly1305 key, see
+            :func:`frame_key`).
         sender: who sends the frame (:func:`upload_sender`, :data:`CONSENSUS_SENDER`); the
             receiver must pass the same. The default ``b""`` is for standalone frames only
             (tests, benchmarks): two protocol roles must never share a sender.
@@ -550,7 +556,7 @@ def frame_key(secret: bytes, head: bytes | bytearray | memoryview, sender: bytes
     table) is self-delimiting, so distinct ``(head, sender)`` pairs never share a key input.
 
     Args:
-        secret: the run secret.
+        secret: the key of this direction of the channel (see the module docstring).
         head: the frame's fixed header and tensor table, exactly as on the wire.
         sender: :func:`upload_sender` of the sending rank, or :data:`CONSENSUS_SENDER`.
 
@@ -566,7 +572,7 @@ def frame_tag(
     """The auth tag that ends the frame ``head`` + ``payloads`` (see :func:`encode_frame_parts`).
 
     Args:
-        secret: the run secret.
+        secret: the key of this direction of the channel (see the module docstring).
         head: header and table.
         payloads: the payload buffers, in order.
         sender: as for :func:`encode_tensor_frame`.

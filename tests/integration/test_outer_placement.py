@@ -179,12 +179,14 @@ def run_cpu(config: OuterConfig) -> tuple[list[list[Params]], list[float], State
     history: list[list[Params]] = [[], []]
     totals: list[float] = []
     before = set(threading.enumerate())
-    server = ReduceServer(SECRET, world_size=2, on_done=on_done, outer=config)
+    server = ReduceServer(SECRET, run_id="outer-test", world_size=2, on_done=on_done, outer=config)
     clients: list[ReduceClient] = []
     try:
         server.start()
         for rank in range(2):
-            client = ReduceClient("127.0.0.1", server.port, SECRET, rank, 2, timeout_s=20.0)
+            client = ReduceClient(
+                "127.0.0.1", server.port, SECRET, rank, 2, run_id="outer-test", timeout_s=20.0
+            )
             clients.append(client)
             client.connect(10.0)
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="rank") as pool:

@@ -276,7 +276,8 @@ class Payloads:
         wrong_world = Hello(run_id=self.run_id, rank=0, world_size=3, model_signature="0" * 64)
         self.authed_refused = [encode_frame(h, self.secret) for h in (dup, wrong_run, wrong_world)]
         self.authed_not_hello = encode_frame(Heartbeat(rank=0, step=5), self.secret)
-        self.data_hello = encode_data_hello(self.secret, 0, 2)  # rank 0's real data hello
+        # rank 0's real data hello
+        self.data_hello = encode_data_hello(self.secret, self.run_id, 0, 2)
 
     # control port ----------------------------------------------------------------------------
     def control(self, kind: str) -> bytes:
@@ -329,13 +330,15 @@ class Payloads:
             case "random_bytes":
                 return rng.randbytes(rng.randint(1, 64))
             case "foreign_secret_hello":
-                return encode_data_hello(self.foreign, rng.randint(0, 1), 2)
+                return encode_data_hello(self.foreign, self.run_id, rng.randint(0, 1), 2)
             case "wrong_tag_hello":
                 return _flip_last(self.data_hello)
             case "replayed_hello":  # rank 0's hello again: rank 0 is connected already
                 return self.data_hello
             case "world_mismatch_hello":
-                return encode_data_hello(self.secret, 0, 3)
+                return encode_data_hello(self.secret, self.run_id, 0, 3)
+            case "other_run_hello":  # the real secret, another run's id (a reused secret file)
+                return encode_data_hello(self.secret, "another-run", rng.randint(0, 1), 2)
             case "bad_version_hello":
                 fields = struct.pack("!IBII", HELLO_MAGIC, 99, 0, 2)
                 return fields + rng.randbytes(16)
@@ -424,6 +427,7 @@ DATA_KINDS: dict[str, tuple[float, int | None]] = {
     "wrong_tag_hello": (15, None),
     "replayed_hello": (10, None),
     "world_mismatch_hello": (8, None),
+    "other_run_hello": (8, None),
     "bad_version_hello": (8, None),
     "tensor_frame_first": (9, None),
 }
@@ -607,7 +611,7 @@ class Attack:
             if port == "control":
                 body = p.hello
             elif port == "data":
-                body = encode_data_hello(p.foreign, 0, 2)
+                body = encode_data_hello(p.foreign, p.run_id, 0, 2)
             else:
                 body = b"GET /paths HTTP/1.1\r\nHost: x\r\n" + b"X: y\r\n" * 20
             background.extend(self.slowloris(port, body) for _ in range(count))
@@ -684,6 +688,7 @@ def _reason_class(reason: str) -> str:
         "closed after",
         "already has a live data connection",
         "hello for a world of",
+        "hello from another run",
         "read timeout",
         "refused data connection",
     ):
@@ -789,7 +794,8 @@ async def test_hostile_inputs_on_every_port_change_nothing(tmp_path: Path) -> No
         "inputs": tally.total,
         "inputs_with_the_run_secret": authed
         + tally.sent["data", "replayed_hello"]
-        + tally.sent["data", "world_mismatch_hello"],
+        + tally.sent["data", "world_mismatch_hello"]
+        + tally.sent["data", "other_run_hello"],
         "bytes_sent": tally.bytes_sent,
         "by_port": {p: tally.by_port(p) for p in ("control", "data", "dashboard")},
         "by_kind": {f"{p}/{k}": n for (p, k), n in sorted(tally.sent.items())},
@@ -859,6 +865,7 @@ async def test_hostile_inputs_on_every_port_change_nothing(tmp_path: Path) -> No
     assert refused == tally.sent["control", "authed_refused_hello"], report
     assert control_log["first frame is"] >= tally.sent["control", "authed_not_hello"], report
     assert data_log["already has a live data connection"] <= tally.sent["data", "replayed_hello"]
+    assert data_log["hello from another run"] == tally.sent["data", "other_run_hello"], report
     # the servers answered nothing but those refused hellos (a reject frame): no data-port
     # hello was acked, no unauthenticated control frame got a reply
     assert set(tally.answered) <= {("control", "authed_refused_hello")}, report

@@ -592,14 +592,14 @@ def _first_len(data: bytes) -> int:
 
 def test_tags_are_compared_with_hmac_compare_digest() -> None:
     assert "hmac.compare_digest(" in inspect.getsource(codec.verify_tag)
-    assert "hmac.compare_digest(" in inspect.getsource(data_hello._parse_handshake)
+    assert "hmac.compare_digest(" in inspect.getsource(data_hello._parse)
     assert "hmac.compare_digest(" in inspect.getsource(tensor_read._read_payloads)
     # and nowhere in the code that handles peer bytes is a tag, digest or MAC compared with
     # == / != (checkpoint.py and launch/cluster_file.py have unrelated format and YAML "tags")
     secretish = re.compile(r"(tag|digest|mac|hmac)$", re.IGNORECASE)
     offenders = []
     root = Path(flodl.__file__).parent
-    paths = [p for sub in ("wire", "coord", "rank") for p in (root / sub).rglob("*.py")]
+    paths = [p for sub in ("wire", "coord", "rank", "service") for p in (root / sub).rglob("*.py")]
     paths.append(root / "launch" / "ssh.py")
     assert len(paths) > 20
     for path in sorted(paths):
@@ -638,10 +638,10 @@ def test_a_tag_differing_in_its_last_byte_is_refused_everywhere() -> None:
     with pytest.raises(FrameError, match="bad auth tag"):
         decode_frame(_flip_last(frame), secret, seq=3)
 
-    hello = encode_data_hello(secret, 1, 2)
-    assert parse_data_hello(secret, hello) == (1, 2)
+    hello = encode_data_hello(secret, "run", 1, 2)
+    assert parse_data_hello(secret, "run", hello) == (1, 2)
     with pytest.raises(FrameError, match="auth tag"):
-        parse_data_hello(secret, _flip_last(hello))
+        parse_data_hello(secret, "run", _flip_last(hello))
 
     ts = [torch.arange(6, dtype=torch.float32).view(2, 3), torch.ones(4)]
     wire = b"".join(

@@ -23,7 +23,15 @@ import uvloop
 from flodl.errors import CoordinatorLost, FrameError
 from flodl.rank.reduce_client import ReduceClient
 from flodl.service.reduce import ReduceServer
-from flodl.wire.data_hello import HELLO_BYTES, check_data_ack, encode_data_ack, encode_data_hello
+from flodl.wire.data_hello import (
+    HELLO_BYTES,
+    DataKeys,
+    check_data_ack,
+    data_keys,
+    encode_data_ack,
+    encode_data_hello,
+    run_fingerprint,
+)
 from flodl.wire.tensors import (
     CONSENSUS_SENDER,
     TensorKind,
@@ -35,6 +43,7 @@ from flodl.wire.tensors import (
 pytestmark = pytest.mark.timeout(60)
 
 SECRET = b"reduce-test-secret-0123456789abcdef"
+RUN = "reduce-test-run"
 JOIN_S = 30.0
 
 
@@ -61,7 +70,7 @@ class Done:
 @contextlib.contextmanager
 def serving(world_size: int, **kwargs: Any) -> Iterator[tuple[ReduceServer, Done]]:
     done = Done()
-    server = ReduceServer(SECRET, world_size=world_size, on_done=done, **kwargs)
+    server = ReduceServer(SECRET, run_id=RUN, world_size=world_size, on_done=done, **kwargs)
     try:
         server.start()
         yield server, done
@@ -77,7 +86,7 @@ def clients(
     try:
         for rank in ranks:
             client = ReduceClient(
-                "127.0.0.1", server.port, SECRET, rank, server.world_size, **kwargs
+                "127.0.0.1", server.port, SECRET, rank, server.world_size, run_id=RUN, **kwargs
             )
             made[rank] = client
             client.connect(10.0)
@@ -143,14 +152,14 @@ def close_all(expected: list[torch.Tensor], got: list[torch.Tensor], rtol: float
         torch.testing.assert_close(g, e, rtol=rtol, atol=rtol)
 
 
-def raw_rank(server: ReduceServer, rank: int, secret: bytes = SECRET) -> socket.socket:
-    """A hand-driven rank: connected and handshaken, nothing else."""
+def raw_rank(server: ReduceServer, rank: int) -> tuple[socket.socket, DataKeys]:
+    """A hand-driven rank: connected and handshaken (its keys), nothing else."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-    hello = encode_data_hello(secret, rank, server.world_size)
+    hello = encode_data_hello(SECRET, RUN, rank, server.world_size)
     sock.sendall(hello)
     ack = recv_exactly(sock, HELLO_BYTES)
-    check_data_ack(secret, hello, ack)
-    return sock
+    check_data_ack(SECRET, RUN, hello, ack)
+    return sock, data_keys(SECRET, RUN, hello, ack)
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -340,7 +349,7 @@ def test_every_rank_dead_completes_the_round_empty() -> None:
 def test_dead_rank_cannot_reconnect() -> None:
     with serving(2) as (server, _):
         server.rank_dead(1)
-        client = ReduceClient("127.0.0.1", server.port, SECRET, 1, 2)
+        client = ReduceClient("127.0.0.1", server.port, SECRET, 1, 2, run_id=RUN)
         try:
             with pytest.raises(CoordinatorLost, match="refused"):
                 client.connect(5.0)
@@ -375,7 +384,9 @@ def test_mixed_wire_dtypes_accumulate_in_f32_and_reply_in_kind() -> None:
     with serving(2) as (server, _):
         try:
             for rank, bf16 in ((0, False), (1, True)):
-                client = ReduceClient("127.0.0.1", server.port, SECRET, rank, 2, bf16_wire=bf16)
+                client = ReduceClient(
+                    "127.0.0.1", server.port, SECRET, rank, 2, run_id=RUN, bf16_wire=bf16
+                )
                 server_clients.append(client)
                 client.connect(5.0)
             server.open_round(1, [0, 1])
@@ -396,9 +407,9 @@ def test_bad_hello_tag_is_rejected_and_others_still_served() -> None:
     with serving(2) as (server, done):
         intruder = socket.create_connection(("127.0.0.1", server.port), timeout=10)
         with intruder:
-            intruder.sendall(encode_data_hello(b"wrong-secret", 0, 2))
+            intruder.sendall(encode_data_hello(b"wrong-secret", RUN, 0, 2))
             assert_closed_by_peer(intruder)
-        wrong = ReduceClient("127.0.0.1", server.port, b"wrong-secret", 1, 2)
+        wrong = ReduceClient("127.0.0.1", server.port, b"wrong-secret", 1, 2, run_id=RUN)
         try:
             with pytest.raises(CoordinatorLost, match="refused"):
                 wrong.connect(5.0)
@@ -417,9 +428,10 @@ def test_bad_hello_tag_is_rejected_and_others_still_served() -> None:
 @pytest.mark.parametrize(
     ("hello", "why"),
     [
-        (lambda: encode_data_hello(SECRET, 0, 3), "world size"),
+        (lambda: encode_data_hello(SECRET, RUN, 0, 3), "world size"),
         (lambda: b"\x00" * HELLO_BYTES, "magic"),
-        (lambda: encode_data_hello(SECRET, 0, 2)[:-1], "short hello"),
+        (lambda: encode_data_hello(SECRET, RUN, 0, 2)[:-1], "short hello"),
+        (lambda: encode_data_hello(SECRET, "another-run", 0, 2), "another run"),
     ],
 )
 def test_bad_hello_is_refused(hello: Callable[[], bytes], why: str) -> None:
@@ -434,7 +446,7 @@ def test_bad_hello_is_refused(hello: Callable[[], bytes], why: str) -> None:
 
 def test_duplicate_live_rank_is_refused() -> None:
     with serving(2) as (server, _), clients(server, [0]):
-        second = ReduceClient("127.0.0.1", server.port, SECRET, 0, 2)
+        second = ReduceClient("127.0.0.1", server.port, SECRET, 0, 2, run_id=RUN)
         try:
             with pytest.raises(CoordinatorLost, match="refused"):
                 second.connect(5.0)
@@ -445,7 +457,7 @@ def test_duplicate_live_rank_is_refused() -> None:
 def test_garbage_frame_closes_only_that_connection() -> None:
     params = [model(r) for r in range(3)]
     with serving(3) as (server, done), clients(server, [0, 1]) as cs:
-        bad = raw_rank(server, 2)
+        bad, _ = raw_rank(server, 2)
         with bad:
             server.open_round(1, [0, 1, 2])
             bad.sendall(b"\xde\xad\xbe\xef" * 64)
@@ -461,68 +473,71 @@ def test_garbage_frame_closes_only_that_connection() -> None:
         assert done.wait(2) == [(1, (0, 1), 2.0), (2, (0, 1), 2.0)]
 
 
-def frames(cycle: int, tensors: list[torch.Tensor], weight: float = 1.0) -> list[Any]:
+def frames(
+    keys: DataKeys, cycle: int, tensors: list[torch.Tensor], weight: float = 1.0
+) -> list[Any]:
+    """A rank's upload (PARAMS then BUFFERS) keyed to the connection ``keys`` belong to."""
     up = encode_tensor_frame(
-        tensors, kind=TensorKind.MODEL_PARAMS, weight=weight, round=cycle, secret=SECRET
+        tensors,
+        kind=TensorKind.MODEL_PARAMS,
+        weight=weight,
+        round=cycle,
+        secret=keys.upload,
+        sender=upload_sender(2),
     )
     down = encode_tensor_frame(
-        [], kind=TensorKind.MODEL_BUFFERS, weight=1.0, round=cycle, secret=SECRET
+        [],
+        kind=TensorKind.MODEL_BUFFERS,
+        weight=1.0,
+        round=cycle,
+        secret=keys.upload,
+        sender=upload_sender(2),
     )
     return [*up, *down]
+
+
+def params_frame(key: bytes, sender: bytes, kind: TensorKind = TensorKind.MODEL_PARAMS) -> Any:
+    return encode_tensor_frame(model(2), kind=kind, weight=1.0, round=1, secret=key, sender=sender)
 
 
 @pytest.mark.parametrize(
     ("make", "why"),
     [
-        (lambda: frames(0, model(2)), "stale round"),
-        (lambda: frames(1, model(2, ((3, 4), (7,)))), "layout unlike the model's"),
-        (lambda: frames(1, [t.double() for t in model(2)]), "dtype unlike the model's"),
+        (lambda k: frames(k, 0, model(2)), "stale round"),
+        (lambda k: frames(k, 1, model(2, ((3, 4), (7,)))), "layout unlike the model's"),
+        (lambda k: frames(k, 1, [t.double() for t in model(2)]), "dtype unlike the model's"),
         (
-            lambda: encode_tensor_frame(
-                model(2), kind=TensorKind.MODEL_BUFFERS, weight=1.0, round=1, secret=SECRET
-            ),
+            lambda k: params_frame(k.upload, upload_sender(2), TensorKind.MODEL_BUFFERS),
             "BUFFERS where PARAMS are due",
         ),
+        (lambda k: params_frame(b"other", upload_sender(2)), "bad frame tag"),
+        (lambda k: params_frame(SECRET, upload_sender(2)), "keyed with the bare run secret"),
         (
-            lambda: encode_tensor_frame(
-                model(2), kind=TensorKind.MODEL_PARAMS, weight=1.0, round=1, secret=b"other"
-            ),
-            "bad frame tag",
-        ),
-        (
-            lambda: encode_tensor_frame(
-                model(2),
-                kind=TensorKind.MODEL_PARAMS,
-                weight=1.0,
-                round=1,
-                secret=SECRET,
-                sender=upload_sender(0),
-            ),
+            lambda k: params_frame(k.upload, upload_sender(0)),
             "rank 0's upload replayed on rank 2's connection",
         ),
         (
-            lambda: encode_tensor_frame(
-                model(2),
-                kind=TensorKind.MODEL_PARAMS,
-                weight=1.0,
-                round=1,
-                secret=SECRET,
-                sender=CONSENSUS_SENDER,
-            ),
+            lambda k: params_frame(k.upload, CONSENSUS_SENDER),
             "a consensus frame reflected back as an upload",
+        ),
+        (
+            lambda k: params_frame(k.consensus, CONSENSUS_SENDER),
+            "the server's own consensus replayed to it",
         ),
     ],
 )
-def test_bad_upload_closes_only_that_connection(make: Callable[[], list[Any]], why: str) -> None:
+def test_bad_upload_closes_only_that_connection(
+    make: Callable[[DataKeys], list[Any]], why: str
+) -> None:
     params = [model(r) for r in range(3)]
     with serving(3) as (server, done), clients(server, [0, 1]) as cs:
         server.open_round(0, [0, 1])  # teaches the server the model layout
         workers = [Worker(lambda r=r: cs[r].reduce(0, params[r], 1.0, [], True)) for r in range(2)]
         assert [w.result() for w in workers] == [(2.0, 2.0)] * 2
         server.open_round(1, [0, 1, 2])
-        bad = raw_rank(server, 2)
+        bad, keys = raw_rank(server, 2)
         with bad:
-            send_buffers(bad, make())
+            send_buffers(bad, make(keys))
             assert_closed_by_peer(bad)
         server.rank_dead(2)
         workers = [Worker(lambda r=r: cs[r].reduce(1, params[r], 1.0, [], True)) for r in range(2)]
@@ -531,23 +546,17 @@ def test_bad_upload_closes_only_that_connection(make: Callable[[], list[Any]], w
 
 
 def test_raw_upload_tagged_as_its_own_rank_is_accepted() -> None:
-    """The control of the replay cases above: the same frames, keyed to rank 2, go through."""
+    """The control of the replay cases above: the same frames, keyed to rank 2's connection,
+    go through."""
     params = [model(r) for r in range(2)]
     with serving(3) as (server, done), clients(server, [0, 1]) as cs:
         server.open_round(0, [0, 1])
         workers = [Worker(lambda r=r: cs[r].reduce(0, params[r], 1.0, [], True)) for r in range(2)]
         assert [w.result() for w in workers] == [(2.0, 2.0)] * 2
         server.open_round(1, [0, 1, 2])
-        raw = raw_rank(server, 2)
+        raw, keys = raw_rank(server, 2)
         with raw:
-            for kind, tensors in (
-                (TensorKind.MODEL_PARAMS, model(2)),
-                (TensorKind.MODEL_BUFFERS, []),
-            ):
-                frame = encode_tensor_frame(
-                    tensors, kind=kind, weight=1.0, round=1, secret=SECRET, sender=upload_sender(2)
-                )
-                send_buffers(raw, frame)
+            send_buffers(raw, frames(keys, 1, model(2)))
             workers = [
                 Worker(lambda r=r: cs[r].reduce(1, params[r], 1.0, [], True)) for r in range(2)
             ]
@@ -557,9 +566,9 @@ def test_raw_upload_tagged_as_its_own_rank_is_accepted() -> None:
 
 def test_stalled_upload_times_out_and_closes() -> None:
     with serving(2, read_timeout_s=0.3) as (server, _):
-        bad = raw_rank(server, 1)
+        bad, keys = raw_rank(server, 1)
         with bad:
-            buffers = frames(1, model(1))
+            buffers = frames(keys, 1, model(1))
             bad.sendall(b"".join(bytes(b) for b in buffers)[:40])  # header and a bit: then silence
             assert_closed_by_peer(bad)
 
@@ -589,7 +598,7 @@ def test_client_raises_coordinator_lost_on_timeout_and_on_server_close() -> None
     params = model(0)
     with serving(2) as (server, _):
         server.open_round(1, [0, 1])
-        slow = ReduceClient("127.0.0.1", server.port, SECRET, 0, 2, timeout_s=0.3)
+        slow = ReduceClient("127.0.0.1", server.port, SECRET, 0, 2, run_id=RUN, timeout_s=0.3)
         try:
             slow.connect(5.0)
             with pytest.raises(CoordinatorLost, match="timed out"):
@@ -609,7 +618,7 @@ def test_client_connect_gives_up_when_nobody_listens() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    client = ReduceClient("127.0.0.1", port, SECRET, 0, 1)
+    client = ReduceClient("127.0.0.1", port, SECRET, 0, 1, run_id=RUN)
     try:
         with pytest.raises(CoordinatorLost, match="unreachable"):
             client.connect(0.6)
@@ -661,7 +670,7 @@ def test_close_from_on_done_does_not_deadlock() -> None:
         server.close()
         closed.set()
 
-    server = ReduceServer(SECRET, world_size=1, on_done=on_done)
+    server = ReduceServer(SECRET, run_id=RUN, world_size=1, on_done=on_done)
     try:
         server.start()
         server.open_round(1, [])
@@ -673,7 +682,7 @@ def test_close_from_on_done_does_not_deadlock() -> None:
 
 def test_context_manager_and_start_twice() -> None:
     done = Done()
-    with ReduceServer(SECRET, world_size=1, on_done=done) as server:
+    with ReduceServer(SECRET, run_id=RUN, world_size=1, on_done=done) as server:
         server.start()
         with pytest.raises(Exception, match="twice"):
             server.start()
@@ -706,19 +715,40 @@ async def test_event_loop_keeps_its_cadence_during_a_256_mib_round() -> None:
     assert p99 < 0.050, f"p99 heartbeat lag {p99 * 1e3:.1f} ms over {len(lags)} samples"
 
 
-def test_hello_layout() -> None:
-    hello = encode_data_hello(SECRET, 3, 8)
-    assert len(hello) == HELLO_BYTES == 29
-    assert struct.unpack("!IBII", hello[:13]) == (0xF10D17C0, 1, 3, 8)
-    ack = encode_data_ack(SECRET, hello)
-    assert struct.unpack("!IBII", ack[:13]) == (0xF10D17C1, 1, 3, 8)
-    check_data_ack(SECRET, hello, ack)
+def test_hello_layout_and_keys() -> None:
+    nonce, server_nonce = bytes(range(16)), bytes(range(16, 32))
+    hello = encode_data_hello(SECRET, RUN, 3, 8, nonce)
+    assert len(hello) == HELLO_BYTES == 53
+    assert struct.unpack("!IBII", hello[:13]) == (0xF10D17C0, 2, 3, 8)
+    assert hello[13:21] == run_fingerprint(RUN) and hello[21:37] == nonce
+    ack = encode_data_ack(SECRET, RUN, hello, server_nonce)
+    assert struct.unpack("!IBII", ack[:13]) == (0xF10D17C1, 2, 3, 8)
+    assert ack[21:37] == server_nonce
+    check_data_ack(SECRET, RUN, hello, ack)
     with pytest.raises(FrameError, match="tag"):
-        check_data_ack(SECRET, hello, encode_data_ack(b"other", hello))
+        check_data_ack(SECRET, RUN, hello, encode_data_ack(b"other", RUN, hello, server_nonce))
+    other = encode_data_hello(SECRET, RUN, 2, 8)
     with pytest.raises(FrameError, match="tag"):  # an ack for another hello
-        check_data_ack(SECRET, hello, encode_data_ack(SECRET, encode_data_hello(SECRET, 2, 8)))
+        check_data_ack(SECRET, RUN, hello, encode_data_ack(SECRET, RUN, other, server_nonce))
     with pytest.raises(FrameError, match="magic"):
-        check_data_ack(SECRET, hello, hello)
+        check_data_ack(SECRET, RUN, hello, hello)
+    with pytest.raises(FrameError, match="another run"):
+        check_data_ack(SECRET, RUN, hello, encode_data_ack(SECRET, "b", hello, server_nonce))
+    keys = data_keys(SECRET, RUN, hello, ack)
+    # every input of the upload key changes it: the run, the rank, either nonce
+    assert keys.upload != keys.consensus
+    for run, rank, n1, n2 in (
+        ("b", 3, nonce, server_nonce),
+        (RUN, 2, nonce, server_nonce),
+        (RUN, 3, server_nonce, server_nonce),
+        (RUN, 3, nonce, nonce),
+    ):
+        h = encode_data_hello(SECRET, run, rank, 8, n1)
+        other = data_keys(SECRET, run, h, encode_data_ack(SECRET, run, h, n2))
+        assert other.upload != keys.upload
+        assert (other.consensus == keys.consensus) == (run == RUN and n2 == server_nonce)
+    # fresh nonces by default: two hellos of one rank never agree the same keys
+    assert encode_data_hello(SECRET, RUN, 3, 8) != encode_data_hello(SECRET, RUN, 3, 8)
 
 
 def test_the_broadcast_round_keeps_the_lowest_live_ranks_state() -> None:
