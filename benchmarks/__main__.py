@@ -105,6 +105,16 @@ def _reduce(d: dict[str, Any]) -> list[Headline]:
             )
     if not out:
         raise KeyError("no world-2 64 MiB row")
+    lag = d.get("loop_lag")
+    if lag is not None:
+        out.append(
+            _row(
+                f"event-loop lag p99 during a {lag['mib']} MiB round",
+                f"{lag['lag_p99_ms']:.1f} ms",
+                f"< {lag['target_p99_ms']:g} ms",
+                lag["target_met"],
+            )
+        )
     return out
 
 

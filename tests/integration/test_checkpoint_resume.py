@@ -6,6 +6,7 @@ of every batch they train, so the tests can check per-epoch coverage against the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from flodl import checkpoint
+from flodl.errors import CheckpointError
 from flodl.sampling import epoch_slice, index_space, permutation
 
 pytestmark = pytest.mark.integration
@@ -198,6 +200,17 @@ def _wait_for(proc: subprocess.Popen[str], pattern: str, limit_s: float) -> list
     raise AssertionError(f"{pattern!r} not seen: {''.join(lines)[-2000:]}")
 
 
+def _wait_for_meta_epoch(stem: Path, epoch: int, limit_s: float) -> None:
+    """Poll the bundle's meta (written atomically) until it resumes at ``epoch`` or later."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        with contextlib.suppress(CheckpointError):
+            if checkpoint.read_meta(stem, world_size=2).epoch >= epoch:
+                return
+        assert time.monotonic() < deadline, f"no checkpoint meta at epoch {epoch} in {limit_s} s"
+        time.sleep(0.02)
+
+
 def _processes_with(tag: str) -> list[str]:
     out = subprocess.run(
         ["ps", "-ww", "-eo", "pid,args"], check=False, capture_output=True, text=True
@@ -224,7 +237,7 @@ def test_sigkill_of_the_launcher_then_resume_from_the_last_epoch_checkpoint(
     )
     try:
         seen = _wait_for(proc, r'^METRICS \{"epoch":1,', 120)
-        time.sleep(0.3)  # let the checkpoint after epoch 1 land
+        _wait_for_meta_epoch(stem, 2, 60)  # the checkpoint after epoch 1 landed
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
     finally:

@@ -5,18 +5,20 @@ authenticated frames through FrameReader/FrameWriter, on its own thread and even
 tests drive the bridge from the pytest thread, as a rank's main thread would. Nothing sleeps to
 wait for a condition: every wait is an event or queue with a timeout. The hard-exit tests run
 the bridge in a child interpreter, since it ends its process.
+
+No test bounds how fast anything happens (a shared machine may be slow): a deadline the bridge
+promises is checked from below (never earlier than promised), and everything else is waited for
+with a generous overall timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import queue
 import socket
-import statistics
 import struct
 import subprocess
 import sys
@@ -97,7 +99,9 @@ class FakeCoordinator:
 
     ``received`` gets ``(time.monotonic(), frame)`` for every frame from a rank, and
     ``(time, None)`` when a connection ends. ``reply`` maps the Hello to the handshake answer
-    (``None``: stay silent); a Reject closes the connection after it is sent.
+    (``None``: stay silent); a Reject closes the connection after it is sent. ``eof_seen`` is
+    set when a rank half-closes its side; with ``close_on_eof=False`` the coordinator then
+    keeps its own side open (and silent) until :meth:`stop`.
     """
 
     def __init__(
@@ -106,12 +110,15 @@ class FakeCoordinator:
         reply: Callable[[Hello], CoordFrame | None] = _accept,
         secret: bytes = SECRET,
         port: int = 0,
+        close_on_eof: bool = True,
     ) -> None:
         self._reply = reply
         self._secret = secret
         self._port = port
+        self._close_on_eof = close_on_eof
         self.received: queue.SimpleQueue[tuple[float, AnyFrame | None]] = queue.SimpleQueue()
         self.connected = threading.Event()
+        self.eof_seen = threading.Event()
         self._ready: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -174,6 +181,12 @@ class FakeCoordinator:
             self._conn[0].transport.abort()
 
         self._call(reset)
+
+    def still_open(self) -> bool:
+        """Whether the coordinator's side of the current connection is still open."""
+        answer: list[bool] = []
+        self._call(lambda: answer.append(self._conn is not None and not self._conn[0].is_closing()))
+        return answer[0]
 
     def start_heartbeats(self, interval_s: float) -> None:
         def begin() -> None:
@@ -246,6 +259,10 @@ class FakeCoordinator:
             self.connected.set()
             while (frame := await fr.read()) is not None:
                 self.received.put((time.monotonic(), frame))
+            self.eof_seen.set()
+            if not self._close_on_eof:
+                assert self._stop is not None
+                await self._stop.wait()
         except (FrameError, OSError):
             pass
         finally:
@@ -349,11 +366,13 @@ def test_silent_coordinator_fails_the_handshake_after_liveness_timeout(
 ) -> None:
     server = FakeCoordinator(reply=lambda h: None).start()
     try:
-        bridge = make_bridge(server.port, liveness_timeout_s=0.3)
+        # the handshake gives up on the liveness timeout (0.3 s), not on the 30 s connect
+        # timeout, and never before it
+        bridge = make_bridge(server.port, liveness_timeout_s=0.3, connect_timeout_s=30.0)
         t0 = time.monotonic()
-        with pytest.raises(CoordinatorLost, match="no handshake reply"):
+        with pytest.raises(CoordinatorLost, match=r"no handshake reply .* within 0\.3 s"):
             bridge.start()
-        assert time.monotonic() - t0 < 0.3 + 2.0
+        assert time.monotonic() - t0 >= 0.29
     finally:
         server.stop()
 
@@ -392,9 +411,9 @@ def test_connect_timeout_raises_coordinator_lost(make_bridge: BridgeFactory) -> 
     port = _free_port()
     bridge = make_bridge(port, connect_timeout_s=0.6)
     t0 = time.monotonic()
-    with pytest.raises(CoordinatorLost, match=f"127.0.0.1:{port}"):
+    with pytest.raises(CoordinatorLost, match=rf"127\.0\.0\.1:{port} within 0\.6 s"):
         bridge.start()
-    assert 0.5 <= time.monotonic() - t0 < 0.6 + 2.0
+    assert time.monotonic() - t0 >= 0.5  # it kept retrying: never gave up before its timeout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,21 +427,33 @@ def test_heartbeats_arrive_every_heartbeat_s_with_the_latest_step(
     make_bridge: BridgeFactory,
     loop_factory: Callable[[], asyncio.AbstractEventLoop] | None,
 ) -> None:
-    bridge = make_bridge(coord.port, heartbeat_s=0.05, loop_factory=loop_factory)
+    """The bridge thread keeps sending heartbeats on its own (the main thread only sets the
+    step), each carrying the latest step, and never more often than every ``heartbeat_s``: it
+    sleeps ``heartbeat_s`` between two, so ``n`` heartbeats take at least ``(n - 1)`` intervals
+    from before ``start()`` (delivery delays only ever add time)."""
+    heartbeat_s = 0.05
+    bridge = make_bridge(coord.port, heartbeat_s=heartbeat_s, loop_factory=loop_factory)
+    beats = 0
+
+    def next_beat() -> tuple[float, AnyFrame | None]:
+        nonlocal beats
+        at, beat = coord.next_frame(Heartbeat)
+        beats += 1
+        return at, beat
+
+    started_at = time.monotonic()
     bridge.start()
     bridge.set_step(7)
-    while (beat := coord.next_frame(Heartbeat)[1]) != Heartbeat(rank=0, step=7):
+    while (beat := next_beat()[1]) != Heartbeat(rank=0, step=7):
         assert beat == Heartbeat(rank=0, step=0)
     bridge.set_step(9)
-    while (beat := coord.next_frame(Heartbeat)[1]) != Heartbeat(rank=0, step=9):
+    while (beat := next_beat()[1]) != Heartbeat(rank=0, step=9):
         assert beat == Heartbeat(rank=0, step=7)
-    times = []
-    for _ in range(8):
-        at, beat = coord.next_frame(Heartbeat)
+    for _ in range(8):  # they keep coming while the main thread does nothing
+        at, beat = next_beat()
         assert beat == Heartbeat(rank=0, step=9)
-        times.append(at)
-    gaps = [b - a for a, b in itertools.pairwise(times)]
-    assert 0.03 <= statistics.median(gaps) <= 0.25, gaps
+    # 0.9: uvloop's timers have 1 ms resolution
+    assert (beats - 1) * 0.9 * heartbeat_s <= at - started_at, (beats, at - started_at)
     with pytest.raises(LocalProtocolError):
         bridge.set_step(-1)
 
@@ -457,32 +488,33 @@ def test_coordinator_frames_arrive_in_order_then_eof_is_lost(
         bridge.send(Exiting(rank=0))
 
 
-def test_server_eof_marks_lost_promptly(coord: FakeCoordinator, make_bridge: BridgeFactory) -> None:
+def test_server_eof_marks_lost_at_once(coord: FakeCoordinator, make_bridge: BridgeFactory) -> None:
+    """The EOF itself is the loss: the bridge does not wait for its liveness timeout (30 s,
+    announced in the accept; the reason would then name it)."""
     reasons: queue.SimpleQueue[str] = queue.SimpleQueue()
     bridge = make_bridge(coord.port, on_lost=reasons.put)
-    bridge.start()
+    assert bridge.start().heartbeat_timeout_s == 30.0
     assert coord.connected.wait(WAIT_S)
-    t0 = time.monotonic()
     coord.send_eof()
     assert bridge.lost.wait(WAIT_S)
-    assert time.monotonic() - t0 < 1.0
     assert "EOF" in bridge.lost_reason
+    assert "liveness timeout" not in bridge.lost_reason
     assert reasons.get(timeout=WAIT_S) == bridge.lost_reason
     with pytest.raises(queue.Empty):
         reasons.get(timeout=0.1)  # called once
 
 
-def test_connection_reset_marks_lost_promptly(
+def test_connection_reset_marks_lost_at_once(
     coord: FakeCoordinator, make_bridge: BridgeFactory
 ) -> None:
+    """The reset itself is the loss, not the 30 s liveness timeout that would follow it."""
     bridge = make_bridge(coord.port)
-    bridge.start()
+    assert bridge.start().heartbeat_timeout_s == 30.0
     assert coord.connected.wait(WAIT_S)
-    t0 = time.monotonic()
     coord.reset_connection()
     assert bridge.lost.wait(WAIT_S)
-    assert time.monotonic() - t0 < 1.0
     assert "ConnectionResetError" in bridge.lost_reason
+    assert "liveness timeout" not in bridge.lost_reason
     with pytest.raises(CoordinatorLost, match="reset"):
         bridge.recv(timeout=WAIT_S)
 
@@ -539,8 +571,7 @@ def test_silence_marks_lost_after_liveness_timeout(
     t0 = time.monotonic()
     bridge.start()
     assert bridge.lost.wait(WAIT_S)
-    elapsed = time.monotonic() - t0
-    assert 0.29 <= elapsed < 0.3 + 2.0
+    assert time.monotonic() - t0 >= 0.29  # never before the timeout (1 ms timer resolution)
     assert "no frame from the coordinator" in bridge.lost_reason
     assert "liveness timeout 0.3 s" in bridge.lost_reason
     assert reasons.get(timeout=WAIT_S) == bridge.lost_reason
@@ -583,9 +614,9 @@ def test_close_flushes_frames_sent_just_before_it(
     for m in metrics:
         bridge.send(m)
     bridge.send(Exiting(rank=0))
-    t0 = time.monotonic()
     bridge.close()
-    assert time.monotonic() - t0 < 2.0
+    # close() returned with its thread joined: it did not give up on a stuck bridge thread
+    assert bridge._thread is not None and not bridge._thread.is_alive()
     got: list[AnyFrame] = []
     while (frame := coord.next_frame()[1]) is not None:
         got.append(frame)
@@ -598,19 +629,27 @@ def test_close_flushes_frames_sent_just_before_it(
         bridge.recv(timeout=WAIT_S)
 
 
-def test_close_is_bounded_when_the_coordinator_never_closes(
-    coord: FakeCoordinator, make_bridge: BridgeFactory
-) -> None:
-    """The coordinator ignores our EOF (it keeps its side open): close() lingers at most its
-    bound, and a frame arriving during the linger does not count as a loss."""
-    bridge = make_bridge(coord.port)
-    bridge.start()
-    coord.send(Shutdown())
-    assert bridge.recv(timeout=WAIT_S) == Shutdown()
-    t0 = time.monotonic()
-    bridge.close(timeout=0.5)
-    assert time.monotonic() - t0 < 0.5 + 1.0
-    assert not bridge.lost
+def test_close_is_bounded_when_the_coordinator_never_closes(make_bridge: BridgeFactory) -> None:
+    """The coordinator ignores our EOF (it keeps its side open and silent): close() stops
+    lingering at its bound and closes the socket itself, and the coordinator falling silent
+    during the linger does not count as a loss."""
+    server = FakeCoordinator(reply=announcing(LIVENESS_S), close_on_eof=False).start()
+    try:
+        bridge = make_bridge(server.port)
+        bridge.start()
+        server.send(Shutdown())
+        assert bridge.recv(timeout=WAIT_S) == Shutdown()
+        # close() may linger up to 0.8 s of its 1 s: longer than the 0.3 s liveness timeout
+        bridge.close(timeout=1.0)
+        assert server.eof_seen.wait(WAIT_S)  # the bridge flushed and sent its EOF
+        thread = bridge._thread
+        assert thread is not None
+        thread.join(WAIT_S)
+        assert not thread.is_alive(), "the bridge thread still lingers"
+        assert server.still_open()  # the coordinator never closed its side
+        assert not bridge.lost
+    finally:
+        server.stop()
 
 
 def test_send_before_start_is_a_local_error(make_bridge: BridgeFactory) -> None:
@@ -687,6 +726,8 @@ _CHILD = textwrap.dedent(
 )
 LIVENESS_S = 0.3
 GRACE_S = 0.5
+CHILD_WAIT_S = 20.0
+"""Generous bound on a child's run after its accept (the test's own timeout is 30 s)."""
 
 
 def _run_child(port: int, mode: str) -> tuple[float, int, str, str]:
@@ -707,7 +748,7 @@ def _run_child(port: int, mode: str) -> tuple[float, int, str, str]:
         first = proc.stdout.readline()  # bounded by the test timeout; '' if the child died
         t0 = time.monotonic()
         assert first == "accepted\n", (first, proc.stderr.read() if proc.stderr else "")
-        out, err = proc.communicate(timeout=LIVENESS_S + GRACE_S + 5.0)
+        out, err = proc.communicate(timeout=CHILD_WAIT_S)
         return time.monotonic() - t0, proc.returncode, out, err
     finally:
         if proc.poll() is None:
@@ -716,9 +757,9 @@ def _run_child(port: int, mode: str) -> tuple[float, int, str, str]:
 
 
 def test_hard_exit_when_the_main_thread_never_closes(fast_coord: FakeCoordinator) -> None:
+    """The process ends itself, and not before the liveness timeout plus the grace."""
     elapsed, code, out, err = _run_child(fast_coord.port, "hang")
     assert code == HARD_EXIT_CODE, err
-    assert elapsed <= LIVENESS_S + GRACE_S + 2.0
     assert elapsed >= LIVENESS_S + GRACE_S - 0.05
     assert "lost: no frame from the coordinator" in out
     assert "exit code 3" in err
