@@ -245,10 +245,13 @@ def mode_comparisons(source: str) -> list[str]:
                 a.value for a in node.args if isinstance(a, ast.Constant) and a.value in MODE_WORDS
             ]
             others = [node.func.value]
-        elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant):
-            if node.value.value in MODE_WORDS:
-                consts = [node.value.value]
-                others = []
+        elif (
+            isinstance(node, ast.MatchValue)
+            and isinstance(node.value, ast.Constant)
+            and node.value.value in MODE_WORDS
+        ):
+            consts = [node.value.value]
+            others = []
         if not consts:
             continue
         context = " ".join(ast.unparse(o) for o in others)
