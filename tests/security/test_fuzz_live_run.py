@@ -596,7 +596,7 @@ class Attack:
     async def run(self, coord_pid: int) -> Tally:
         p = self.payloads
         background: list[Awaitable[None]] = []
-        # thousands of idle connections, opened in waves of 100 (the listen backlog)
+        # thousands of idle connections, opened in waves of 100 every 50 ms (a burst)
         for port, count in (
             ("control", IDLE_CONTROL),
             ("dashboard", IDLE_DASHBOARD),
@@ -807,6 +807,7 @@ async def test_hostile_inputs_on_every_port_change_nothing(tmp_path: Path) -> No
         "coord_vm_hwm_mb": round(summary["vm_hwm_kb"] / 1024, 1),
         "coord_vm_hwm_mb_reference": round(reference["vm_hwm_kb"] / 1024, 1),
         "sync_rounds": summary["sync_rounds"],
+        "listen_drops": summary["listen_drops"],
     }
     print("FUZZ REPORT " + json.dumps(report, indent=1))
 
@@ -825,12 +826,12 @@ async def test_hostile_inputs_on_every_port_change_nothing(tmp_path: Path) -> No
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert "declared dead" not in log
 
+    # every connection reached its server: no accept queue overflowed. (With asyncio's default
+    # backlog of 100, the burst of idle connections overflowed the control port's under a slow
+    # attack; Linux then left some of them established on the client's side only, where no
+    # deadline of the server can close them: they were the idle connections still open at 90 s.)
+    assert summary["listen_drops"] == {"control": 0, "data": 0, "dashboard": 0}, report
     # every hostile connection was closed by the server (none left hanging), with a reason
-    # KNOWN ISSUE (open): under a slow attack (~90 s on a busy 2-core box) a few of the 2,000+
-    # idle control connections are still open when the client gives up at 90 s, although the
-    # server's hello deadline is 10 s; every other kind is always closed. Tolerated up to 2 %.
-    idle_late = tally.client_timeouts.pop(("control", "idle"), 0)
-    assert idle_late <= 0.02 * tally.sent["control", "idle"], report
     assert not tally.client_timeouts, report
     assert not tally.connect_errors, report
     # one counted reason per hostile control/data connection, no more, no less
