@@ -16,10 +16,13 @@ exactly once with the same sample counts, no rank declared dead, the two ranks o
 consensus parameters (the parameter values themselves depend on timing in a cadence run, so
 they are not compared with the reference). Every hostile control/data connection must be
 closed by the server with a counted reason (the servers count every refusal by reason and log
-only a budget of them a minute, so the attack cannot fill the disk), every hostile HTTP
-request answered with a 4xx/503,
-the coordinator's peak RSS must stay bounded (printed, for docs/reliability.md) and the run
-secret must not appear in its output.
+only a budget of them a minute, so the attack cannot fill the disk), the idle and slowloris
+ones included (no client may still see its connection open after ``CLIENT_TIMEOUT_S``); every
+hostile HTTP request must be answered with a 4xx/503 that the client reads (no reset before
+the answer); no port may have dropped a connection from its accept queue (the kernel's count,
+reported by the coordinator: a dropped connection never reaches the server); the coordinator's
+peak RSS must stay bounded (printed, for docs/reliability.md) and the run secret must not
+appear in its output.
 
 Connections come from many loopback source addresses (127.x.y.z) so that 100k connections
 never run out of ephemeral ports; the test raises its own ``RLIMIT_NOFILE`` soft limit (the
@@ -840,11 +843,10 @@ async def test_hostile_inputs_on_every_port_change_nothing(tmp_path: Path) -> No
     answers: collections.Counter[bytes] = collections.Counter()
     for (_, status), n in tally.http_status.items():
         answers[status] += n
-    # a refusal the client could not read: the server answered and closed with the rest of the
-    # request unread, so the kernel reset the connection before the answer was read
-    unread = answers.pop(b"reset", 0)
+    # every request got its refusal, and read it: the server half-closes after an answer and
+    # reads what the client still sends, so no reset (which a client that writes before it
+    # reads, as a slowloris does, would see instead of the answer) is ever sent
     assert set(answers) <= HTTP_REFUSALS, report
-    assert unread <= 0.01 * tally.by_port("dashboard"), report
     # nothing unauthenticated reached the machine: hellos were refused, the rest never decoded
     assert control_log["bad auth tag"] >= (
         tally.sent["control", "wrong_tag"]
