@@ -21,9 +21,15 @@ Rules:
     - **No framework, bounded parsing.** One request per connection (``Connection: close``;
       the page makes a handful of requests and one long-lived stream). The request line is at
       most 8 KiB (else ``414``), the header block at most 16 KiB and 100 lines (else ``431``),
-      and the whole head must arrive within ``head_timeout_s`` (slowloris connections are
-      closed). At most ``max_connections`` connections are served; more get ``503`` and are
-      closed at once.
+      and the whole head must arrive within ``head_timeout_s`` (slowloris connections get
+      ``408``). At most ``max_connections`` connections are served; more get ``503`` at once.
+    - **No reset before the answer.** After every error answer (4xx, 503) the server
+      half-closes and reads (and drops) what the client still sends until it closes, for at
+      most 256 KiB and 5 s, then closes. Closing a socket that holds unread request bytes makes
+      the kernel send a TCP reset, and a client that writes again before reading (a slowloris
+      client, one whose request went on) then loses the answer it had been sent. The port
+      listens with a backlog of :data:`LISTEN_BACKLOG`, so that a burst of connections is
+      queued rather than dropped half-way by the kernel.
     - **Bad input is a 4xx, never a 500.** Error bodies are ``{"error": "..."}`` with a fixed
       message: nothing the client sent is echoed back. A bug in a handler closes that one
       connection (logged); the server keeps serving.
@@ -92,7 +98,11 @@ MAX_QUERY_FIELDS: Final = 16
 DEFAULT_HISTORY_N: Final = 200
 _SEQ_LIMIT: Final = 2**63
 _LINGER_BYTES: Final = 256 * 1024
-_LINGER_S: Final = 1.0
+_LINGER_S: Final = 5.0
+LISTEN_BACKLOG: Final = 4096
+"""Listen backlog (the kernel caps it at ``net.core.somaxconn``). asyncio's default of 100
+overflows when a burst of connections meets a busy loop; Linux then drops some handshakes
+half-way, leaving connections that are open on the client's side only."""
 
 _TOKEN_RE: Final = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _TARGET_RE: Final = re.compile(rb"/[\x21-\x7e]*")  # visible ASCII, no spaces, no controls
@@ -395,7 +405,7 @@ class DashboardServer:
             raise RuntimeError("DashboardServer already started")
         limit = max(MAX_REQUEST_LINE, MAX_HEADER_BYTES) + 2
         self._server = await asyncio.start_server(
-            self._on_connect, self.host, self.port, limit=limit
+            self._on_connect, self.host, self.port, limit=limit, backlog=LISTEN_BACKLOG
         )
         self.port = self._server.sockets[0].getsockname()[1]
         if self.host not in ("127.0.0.1", "::1", "localhost"):
@@ -440,6 +450,7 @@ class DashboardServer:
                 writer.write(
                     _error_response(HTTPStatus.SERVICE_UNAVAILABLE, "too many connections")
                 )
+                await self._linger(reader, writer)
             else:
                 await self._serve(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
@@ -475,12 +486,13 @@ class DashboardServer:
             await self._dispatch(request, reader, writer)
         except _HttpError as exc:
             await self._send(writer, _error_response(exc.status, exc.message))
-            if exc.status != HTTPStatus.REQUEST_TIMEOUT:
-                await self._linger(reader, writer)
+            await self._linger(reader, writer)  # a 408 too: a slowloris client is still writing
 
     async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Half-close, then read (and drop) a bounded rest of the request, so that closing with
-        unread bytes (a TCP reset) does not destroy the error answer before the client reads it.
+        """Half-close, then read (and drop) what the client still sends until it closes, within
+        a budget of bytes and time. Closing with unread bytes would make the kernel reset the
+        connection, and a client that writes before it reads the answer (a slowloris client's
+        next byte) would then lose the answer; after a half-close, such bytes are read here.
         """
         with contextlib.suppress(OSError, RuntimeError):
             if writer.can_write_eof():

@@ -434,13 +434,23 @@ class ReduceServer:
 
     def _handshake(self, conn: Conn) -> None:
         sock = conn.sock
-        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        # One deadline for the whole hello, counted from the accept (this thread starts then):
+        # a per-recv timeout would let a peer trickling a byte every few seconds hold its
+        # connection slot for HELLO_BYTES times as long.
+        deadline = time.perf_counter() + HANDSHAKE_TIMEOUT_S
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         hello = bytearray(HELLO_BYTES)
         view = memoryview(hello)
         got = 0
         while got < HELLO_BYTES:
-            n = sock.recv_into(view[got:])
+            left = deadline - time.perf_counter()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                sock.settimeout(left)
+                n = sock.recv_into(view[got:])
+            except TimeoutError:
+                raise _Refused(f"no hello within {HANDSHAKE_TIMEOUT_S:g} s") from None
             if n == 0:
                 raise Refused(f"closed after {got} of {HELLO_BYTES} hello bytes")
             got += n

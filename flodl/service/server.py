@@ -4,8 +4,13 @@ Single-threaded (one event loop, uvloop in production); the machine makes every 
 this module only moves bytes and time:
 
 * one reader task per connection: the first frame must be ``hello`` (within
-  ``hello_timeout_s``); the machine's ``Reply`` effect answers on that connection and an
-  ``Accept`` binds it to its rank (or marks it a launcher supervisor);
+  ``hello_timeout_s`` of the accept, else the connection is aborted); the machine's ``Reply``
+  effect answers on that connection and an ``Accept`` binds it to its rank (or marks it a
+  launcher supervisor);
+* the port listens with a backlog of :data:`LISTEN_BACKLOG`, not asyncio's 100, so that the
+  kernel queues a burst of connections until the loop accepts them instead of dropping some
+  half-way (a connection dropped so is open on the client's side only: no deadline of ours
+  can close it);
 * every later frame is checked against its connection (a rank may only speak for itself, a
   supervisor may only report ``rank_exited``) and handed to ``machine.handle(frame,
   loop.time())``; effects are executed in order;
@@ -72,6 +77,13 @@ DEFAULT_HIGH_WATER = 4 * 1024 * 1024
 HELLO_MAX_BYTES = 64 * 1024
 """Ceiling on a connection's first frame: until it authenticated with a hello, a peer can make
 the coordinator buffer no more than this (the full control ceiling applies afterwards)."""
+LISTEN_BACKLOG = 4096
+"""Listen backlog of the control port (the kernel caps it at ``net.core.somaxconn``, 4096 by
+default on Linux >= 5.4). asyncio's default of 100 overflows when a burst of connections (2,000
+idle ones in a second, in the fuzz test) meets a busy loop. With ``tcp_syncookies`` on, Linux
+then completes some handshakes with a cookie and drops their last ACK: such a connection is
+established on the client's side only. The server never holds it (no descriptor, no memory), so
+no deadline of the server can close it, and an idle client sees it open until it gives up."""
 
 
 class EffectSink(Protocol):
@@ -188,7 +200,11 @@ class CoordinatorServer:
         self._loop = asyncio.get_running_loop()
         self._done = self._loop.create_future()
         self._server = await asyncio.start_server(
-            self._on_connection, self._host, self._port, reuse_address=True
+            self._on_connection,
+            self._host,
+            self._port,
+            reuse_address=True,
+            backlog=LISTEN_BACKLOG,
         )
         self.port = int(self._server.sockets[0].getsockname()[1])
         self._apply(self.machine.tick(self._loop.time()))

@@ -10,8 +10,9 @@ Writes, atomically:
 * ``job["ports"]`` once serving: ``{"control", "data", "dashboard", "pid"}`` (the CPU reduce
   server's port is what ranks learn from ``accept.data_port``);
 * ``job["summary"]`` when the run is over: the outcome, the per-epoch coverage audit, the ranks
-  declared dead, the number of ranks that ever joined, and the peak RSS (``VmHWM`` and
-  ``ru_maxrss``, kB).
+  declared dead, the number of ranks that ever joined, the peak RSS (``VmHWM`` and
+  ``ru_maxrss``, kB) and, per listening port, the connections the kernel dropped because its
+  accept queue was full (``listen_drops``: such a connection never reaches the server).
 
 Exit status 0 when the run ended ok, 1 otherwise.
 """
@@ -22,6 +23,8 @@ import json
 import logging
 import os
 import resource
+import socket
+import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,6 +68,16 @@ def write_json(path: str, obj: object) -> None:
     tmp.replace(path)
 
 
+def listen_drops(listener: Any) -> int:
+    """A listening socket's drop count (Linux ``SO_MEMINFO``, index 8): connections dropped
+    because the accept queue was full; -1 where the option is missing."""
+    try:
+        raw = listener.getsockopt(socket.SOL_SOCKET, 55, 64)
+    except OSError:
+        return -1
+    return int(struct.unpack(f"{len(raw) // 4}I", raw)[8])
+
+
 def vm_hwm_kb() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -89,6 +102,7 @@ async def main(job: dict[str, Any], secret: bytes) -> int:
     sink = DashboardSink(session)
     service = CoordinatorService(cfg, secret, sink=sink)
     over = None
+    drops: dict[str, int] = {}
     try:
         control = await service.start()
         reduce_server = service._reduce  # the CPU reduce server: its port is accept.data_port
@@ -104,6 +118,12 @@ async def main(job: dict[str, Any], secret: bytes) -> int:
             },
         )
         over = await service.wait()
+        assert service.server is not None and service.server._server is not None
+        drops = {
+            "control": listen_drops(service.server._server.sockets[0]),
+            "data": listen_drops(reduce_server._listen),
+            "dashboard": listen_drops(session.dashboard.server._server.sockets[0]),
+        }
     finally:
         await service.close()
         session.close()
@@ -130,6 +150,7 @@ async def main(job: dict[str, Any], secret: bytes) -> int:
                 if service._reduce is not None
                 else {},
                 "ru_maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                "listen_drops": drops,
             },
         )
     return 0 if over.ok else 1

@@ -16,10 +16,13 @@ exactly once with the same sample counts, no rank declared dead, the two ranks o
 consensus parameters (the parameter values themselves depend on timing in a cadence run, so
 they are not compared with the reference). Every hostile control/data connection must be
 closed by the server with a counted reason (the servers count every refusal by reason and log
-only a budget of them a minute, so the attack cannot fill the disk), every hostile HTTP
-request answered with a 4xx/503,
-the coordinator's peak RSS must stay bounded (printed, for docs/reliability.md) and the run
-secret must not appear in its output.
+only a budget of them a minute, so the attack cannot fill the disk), the idle and slowloris
+ones included (no client may still see its connection open after ``CLIENT_TIMEOUT_S``); every
+hostile HTTP request must be answered with a 4xx/503 that the client reads (no reset before
+the answer); no port may have dropped a connection from its accept queue (the kernel's count,
+reported by the coordinator: a dropped connection never reaches the server); the coordinator's
+peak RSS must stay bounded (printed, for docs/reliability.md) and the run secret must not
+appear in its output.
 
 Connections come from many loopback source addresses (127.x.y.z) so that 100k connections
 never run out of ephemeral ports; the test raises its own ``RLIMIT_NOFILE`` soft limit (the
@@ -600,7 +603,7 @@ class Attack:
     async def run(self, coord_pid: int) -> Tally:
         p = self.payloads
         background: list[Awaitable[None]] = []
-        # thousands of idle connections, opened in waves of 100 (the listen backlog)
+        # thousands of idle connections, opened in waves of 100 every 50 ms (a burst)
         for port, count in (
             ("control", IDLE_CONTROL),
             ("dashboard", IDLE_DASHBOARD),
@@ -813,6 +816,7 @@ async def test_hostile_inputs_on_every_port_change_nothing(tmp_path: Path) -> No
         "coord_vm_hwm_mb": round(summary["vm_hwm_kb"] / 1024, 1),
         "coord_vm_hwm_mb_reference": round(reference["vm_hwm_kb"] / 1024, 1),
         "sync_rounds": summary["sync_rounds"],
+        "listen_drops": summary["listen_drops"],
     }
     print("FUZZ REPORT " + json.dumps(report, indent=1))
 
@@ -831,12 +835,12 @@ async def test_hostile_inputs_on_every_port_change_nothing(tmp_path: Path) -> No
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert "declared dead" not in log
 
+    # every connection reached its server: no accept queue overflowed. (With asyncio's default
+    # backlog of 100, the burst of idle connections overflowed the control port's under a slow
+    # attack; Linux then left some of them established on the client's side only, where no
+    # deadline of the server can close them: they were the idle connections still open at 90 s.)
+    assert summary["listen_drops"] == {"control": 0, "data": 0, "dashboard": 0}, report
     # every hostile connection was closed by the server (none left hanging), with a reason
-    # KNOWN ISSUE (open): under a slow attack (~90 s on a busy 2-core box) a few of the 2,000+
-    # idle control connections are still open when the client gives up at 90 s, although the
-    # server's hello deadline is 10 s; every other kind is always closed. Tolerated up to 2 %.
-    idle_late = tally.client_timeouts.pop(("control", "idle"), 0)
-    assert idle_late <= 0.02 * tally.sent["control", "idle"], report
     assert not tally.client_timeouts, report
     assert not tally.connect_errors, report
     # one counted reason per hostile control/data connection, no more, no less
@@ -845,11 +849,10 @@ async def test_hostile_inputs_on_every_port_change_nothing(tmp_path: Path) -> No
     answers: collections.Counter[bytes] = collections.Counter()
     for (_, status), n in tally.http_status.items():
         answers[status] += n
-    # a refusal the client could not read: the server answered and closed with the rest of the
-    # request unread, so the kernel reset the connection before the answer was read
-    unread = answers.pop(b"reset", 0)
+    # every request got its refusal, and read it: the server half-closes after an answer and
+    # reads what the client still sends, so no reset (which a client that writes before it
+    # reads, as a slowloris does, would see instead of the answer) is ever sent
     assert set(answers) <= HTTP_REFUSALS, report
-    assert unread <= 0.01 * tally.by_port("dashboard"), report
     # nothing unauthenticated reached the machine: hellos were refused, the rest never decoded
     assert control_log["bad auth tag"] >= (
         tally.sent["control", "wrong_tag"]

@@ -17,7 +17,10 @@ import json
 import logging
 import os
 import re
+import select
 import socket
+import struct
+import sys
 import threading
 import urllib.request
 from collections.abc import AsyncIterator
@@ -523,6 +526,81 @@ async def test_idle_connections_beyond_the_cap_are_refused_then_all_time_out() -
         assert set(statuses) <= {503, 408}
         assert statuses.count(408) >= 200
         assert (await get(s.port, "/paths")).status == 200
+
+
+def write_after_the_answer(port: int, first: bytes, more: bytes) -> bytes:
+    """Send ``first``; once the answer has arrived (seen, not read), send ``more`` as a client
+    still writing would, half-close, and read to the end. Raises ``ConnectionResetError`` (or
+    another ``OSError``) if the server reset the connection: a client that writes before it
+    reads then loses the answer, since a socket that received a reset fails its next write."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(first)
+        while b"\r\n\r\n" not in sock.recv(65536, socket.MSG_PEEK):
+            select.select([sock], [], [], 0.01)
+        sock.sendall(more)
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if error:
+            raise OSError(error, os.strerror(error))
+        return data
+
+
+async def test_a_slowloris_client_still_writing_after_its_408_reads_it_without_a_reset() -> None:
+    async with serving(head_timeout_s=0.3) as s:
+        data = await asyncio.to_thread(
+            write_after_the_answer, s.port, b"GET /paths HTTP/1.1\r\n", b"X-Late: 1\r\n"
+        )
+        assert parse_response(data).status == 408
+        assert (await get(s.port, "/paths")).status == 200
+
+
+async def test_a_request_over_the_cap_reads_its_503_without_a_reset() -> None:
+    async with serving(max_connections=1) as s:
+        _, holder = await asyncio.open_connection("127.0.0.1", s.port)  # takes the only slot
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + WAIT_S
+            while not s.server._conns:
+                assert loop.time() < deadline, "the first connection was never accepted"
+                await asyncio.sleep(0.01)
+            data = await asyncio.to_thread(
+                write_after_the_answer, s.port, GET.format("/paths").encode(), b"more"
+            )
+        finally:
+            holder.close()
+        assert parse_response(data).status == 503
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SO_MEMINFO is Linux's")
+async def test_a_burst_of_connections_is_queued_not_dropped() -> None:
+    """300 connections arrive while the loop is busy: the listen backlog holds them all (with
+    asyncio's default of 100 the kernel drops the surplus half-way)."""
+    async with serving(head_timeout_s=0.5, max_connections=512) as s:
+        assert s.server._server is not None
+        listener = s.server._server.sockets[0]
+        before = listen_drops(listener)
+        socks = []
+        try:
+            for _ in range(300):  # no await: the loop accepts none of them meanwhile
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                socks.append(sock)
+                sock.connect_ex(("127.0.0.1", s.port))
+            assert listen_drops(listener) == before
+        finally:
+            for sock in socks:
+                sock.close()
+        assert (await get(s.port, "/paths")).status == 200
+
+
+def listen_drops(listener: Any) -> int:
+    """A listening socket's drop count (Linux ``SO_MEMINFO``, index 8): connections the kernel
+    dropped because the accept queue was full."""
+    raw = listener.getsockopt(socket.SOL_SOCKET, 55, 64)
+    return int(struct.unpack(f"{len(raw) // 4}I", raw)[8])
 
 
 async def test_a_bug_in_a_handler_costs_one_connection(

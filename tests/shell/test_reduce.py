@@ -21,6 +21,7 @@ import uvloop
 
 from flodl.errors import CoordinatorLost, FrameError
 from flodl.rank.reduce_client import ReduceClient
+from flodl.service import reduce as reduce_module
 from flodl.service.reduce import ReduceServer
 from flodl.wire.data_hello import (
     HELLO_BYTES,
@@ -441,6 +442,33 @@ def test_bad_hello_is_refused(hello: Callable[[], bytes], why: str) -> None:
             if why == "short hello":
                 sock.shutdown(socket.SHUT_WR)
             assert_closed_by_peer(sock)
+
+
+def test_a_trickled_hello_is_cut_at_the_handshake_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One deadline covers the whole hello: a peer that sends it a byte at a time, each byte
+    well within the deadline, is closed before its hello is complete (a slowloris cannot hold
+    one of the few connection slots), and the refusal is counted with its reason."""
+    monkeypatch.setattr(reduce_module, "HANDSHAKE_TIMEOUT_S", 0.5)
+    hello = encode_data_hello(SECRET, 0, 2)  # a valid hello: only its pace is wrong
+    with serving(2) as (server, _):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=JOIN_S)
+        with sock:
+            sock.settimeout(0.1)  # the pause between two bytes
+            sent, closed = 0, False
+            while sent < len(hello) and not closed:
+                try:
+                    sock.sendall(hello[sent : sent + 1])
+                    sent += 1
+                    closed = sock.recv(HELLO_BYTES) == b""
+                except TimeoutError:
+                    pass  # not closed yet: next byte
+                except OSError:  # reset, or the write after the server's close
+                    closed = True
+            assert closed, "the whole hello went through a byte at a time"
+        assert sent < len(hello)
+        reason = "no hello within 0.5 s"
+        wait_until(lambda: server.refusals.counts[reason] == 1, "the counted refusal")
+        assert dict(server.refusals.counts) == {reason: 1}
 
 
 def test_duplicate_live_rank_is_refused() -> None:

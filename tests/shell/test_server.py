@@ -19,6 +19,7 @@ import logging
 import random
 import socket
 import struct
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -478,6 +479,55 @@ async def test_no_hello_within_the_timeout_is_closed(
         assert any("no hello within 0.3 s" in m for m in server_warnings(caplog))
         _, accept = await h.join(0)
         assert accept.rank == 0
+
+
+SO_MEMINFO = 55
+"""Linux ``getsockopt`` giving a socket's memory counters; index 8 is its drop count (for a
+listening socket: the connections the kernel dropped because the accept queue was full)."""
+
+
+def listen_drops(listener: Any) -> int:
+    raw = listener.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 64)
+    return int(struct.unpack(f"{len(raw) // 4}I", raw)[8])
+
+
+def connect_burst(port: int, count: int) -> list[socket.socket]:
+    """``count`` connections started without yielding to the loop, so that it accepts none of
+    them meanwhile (on loopback the kernel completes each handshake inside ``connect``)."""
+    socks = []
+    for _ in range(count):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.connect_ex(("127.0.0.1", port))
+        socks.append(sock)
+    return socks
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SO_MEMINFO is Linux's")
+@pytest.mark.uvloop
+@pytest.mark.timeout(60)
+async def test_a_burst_of_connections_is_queued_not_dropped_and_each_is_closed() -> None:
+    """300 connections arrive while the loop is busy: the listen backlog holds them all (with
+    asyncio's default of 100, the kernel drops the surplus, and some of those end up open on
+    the client's side only, where no deadline of the server can reach them); each is then
+    accepted and closed at its hello deadline, with its reason counted."""
+    async with serving(hello_timeout_s=0.5) as h:
+        assert h.server._server is not None
+        listener = h.server._server.sockets[0]
+        before = listen_drops(listener)
+        socks = connect_burst(h.server.port, 300)
+        try:
+            assert listen_drops(listener) == before
+            reason = "no hello within 0.5 s"
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while h.server.refusals.counts[reason] < len(socks):
+                assert loop.time() < deadline, dict(h.server.refusals.counts)
+                await asyncio.sleep(0.05)
+            assert h.server.refusals.counts[reason] == len(socks)
+        finally:
+            for sock in socks:
+                sock.close()
 
 
 # ---------------------------------------------------------------------------------------------
