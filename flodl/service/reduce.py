@@ -450,7 +450,7 @@ class ReduceServer:
                 sock.settimeout(left)
                 n = sock.recv_into(view[got:])
             except TimeoutError:
-                raise _Refused(f"no hello within {HANDSHAKE_TIMEOUT_S:g} s") from None
+                raise Refused(f"no hello within {HANDSHAKE_TIMEOUT_S:g} s") from None
             if n == 0:
                 raise Refused(f"closed after {got} of {HELLO_BYTES} hello bytes")
             got += n

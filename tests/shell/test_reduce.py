@@ -449,7 +449,7 @@ def test_a_trickled_hello_is_cut_at_the_handshake_deadline(monkeypatch: pytest.M
     well within the deadline, is closed before its hello is complete (a slowloris cannot hold
     one of the few connection slots), and the refusal is counted with its reason."""
     monkeypatch.setattr(reduce_module, "HANDSHAKE_TIMEOUT_S", 0.5)
-    hello = encode_data_hello(SECRET, 0, 2)  # a valid hello: only its pace is wrong
+    hello = encode_data_hello(SECRET, RUN, 0, 2)  # a valid hello: only its pace is wrong
     with serving(2) as (server, _):
         sock = socket.create_connection(("127.0.0.1", server.port), timeout=JOIN_S)
         with sock:
