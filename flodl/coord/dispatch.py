@@ -238,13 +238,13 @@ class Dispatch:
         for rank, ranges in enumerate(carve_ranges(work.unassigned_ranges(), sizes)):
             for rng in ranges:
                 work.assign(rank, rng)
-                plan = self.plan(work.epoch, rng, tail=True)  # a whole-epoch partition
+                plan = self.plan(work.epoch, rng)
                 out.append(Send(rank, StartEpoch(plan=plan)))
             self.refresh(rank)
 
-    def plan(self, epoch: int, rng: BatchRange, *, tail: bool = False) -> EpochPlan:
+    def plan(self, epoch: int, rng: BatchRange) -> EpochPlan:
         offset, size = to_samples(rng, self._bs)
-        return EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size, epoch_tail=tail)
+        return EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size)
 
     def pop_done_epoch(self) -> ClosedEpoch | None:
         """Close the lowest open epoch if every batch of it is committed."""
@@ -321,7 +321,7 @@ class Dispatch:
         self.refresh(rank)
         if final_slot is not None:
             self.final_plans[work.epoch][1][rank] = max(0, final_slot - rng.size)
-        return self.plan(work.epoch, rng, tail=work.remaining() == 0)
+        return self.plan(work.epoch, rng)
 
     def _final_slot(self, work: EpochWork, rank: int) -> int | None:
         counts, alive, sum_counts = self.cohort()

@@ -82,7 +82,6 @@ class Slice:
     epoch: int
     offset: int
     size: int
-    tail: bool = False
     pos: int = 0
 
 
@@ -316,9 +315,7 @@ class RankProtocol:
         return []
 
     def _enqueue(self, plan: EpochPlan) -> None:
-        self.queue.append(
-            Slice(plan.epoch, plan.partition_offset, plan.partition_size, plan.epoch_tail)
-        )
+        self.queue.append(Slice(plan.epoch, plan.partition_offset, plan.partition_size))
 
     # ------------------------------------------------------------------ actions out
     def next_action(self) -> Broadcast | Reduce | Train | Wait | Stop:

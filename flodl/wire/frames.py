@@ -151,17 +151,11 @@ class _Frame(_Model):
 
 
 class EpochPlan(_Model):
-    """A contiguous slice of an epoch's permutation, in samples: ``[offset, offset + size)``.
-
-    ``epoch_tail``: no unassigned work of this epoch is left after this slice; the
-    epoch-callback role rank runs ``epoch_fn`` when it finishes it, inside the slack the
-    coordinator carved out of its last window (flodl-spec.md §2.8).
-    """
+    """A contiguous slice of an epoch's permutation, in samples: ``[offset, offset + size)``."""
 
     epoch: Count
     partition_offset: Count
     partition_size: Count
-    epoch_tail: bool = False
 
 
 class EpochMetrics(_Model):

@@ -252,8 +252,8 @@ def commit_bundles(c: Cluster, effects: Sequence[Any]) -> tuple[list[WriteMeta],
     return of(out, WriteMeta), out
 
 
-def plan(offset: int, size: int, epoch: int = 0, *, tail: bool = False) -> EpochPlan:
-    return EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size, epoch_tail=tail)
+def plan(offset: int, size: int, epoch: int = 0) -> EpochPlan:
+    return EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size)
 
 
 def session(number: int, *, new_rank: int, ranks: list[int]) -> NewSession:
@@ -567,7 +567,7 @@ def test_cpu_cadence_cycle_end_to_end() -> None:
     assert sends(t[update : update + 4], Update) == [
         (0, Update(version=1, next_plan=plan(640, 320))),  # the next chunk, folded in
         # the epoch's last slice: the epoch-callback role runs epoch_fn after it
-        (1, Update(version=1, next_plan=plan(960, 320, tail=True))),
+        (1, Update(version=1, next_plan=plan(960, 320))),
     ]
     assert sends(t[update : update + 4], SetGlobalStep)[0] == (0, SetGlobalStep(global_step=20))
     assert sends(c.trace, Throttle) == []  # cadence never throttles

@@ -194,7 +194,7 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
     "reject": lambda: Reject(reason="duplicate rank 3"),
     "coord_heartbeat": CoordHeartbeat,
     "start_epoch": lambda: StartEpoch(
-        plan=EpochPlan(epoch=2, partition_offset=1_000, partition_size=500, epoch_tail=True)
+        plan=EpochPlan(epoch=2, partition_offset=1_000, partition_size=500)
     ),
     "extend_partition": lambda: ExtendPartition(
         epoch=2, partition_offset=1_500, partition_size=250
@@ -202,7 +202,7 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
     "request_params": lambda: RequestParams(cycle=11),
     "update": lambda: Update(
         version=12,
-        next_plan=EpochPlan(epoch=3, partition_offset=0, partition_size=64, epoch_tail=True),
+        next_plan=EpochPlan(epoch=3, partition_offset=0, partition_size=64),
     ),
     "sync_now": lambda: SyncNow(cycle=13),
     "throttle": Throttle,
