@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -314,6 +315,20 @@ def _run_coord(args: argparse.Namespace) -> int:
         finally:
             await service.close()
         print(f"flodl coordinator: {over.reason}", flush=True)
+        if over.save_reason is not None and over.save_reason != "graceful_shutdown":
+            from flodl.handle import training_stopped
+
+            stopped = training_stopped(
+                over.save_reason,
+                over.detail,
+                stem,
+                None,
+                lambda stem: (
+                    f"`flodl coord` and the same options plus --resume-from {shlex.quote(stem)} "
+                    f"(the ranks with resume_from={stem!r})"
+                ),
+            )
+            print(f"flodl coord: {stopped}", file=sys.stderr, flush=True)
         return 0 if over.ok else 1
 
     try:

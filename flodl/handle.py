@@ -82,10 +82,15 @@ class TrainerHandle:
 
 
 def training_stopped(
-    save_reason: str, detail: str, stem: str | None, state: TrainedState | None
+    save_reason: str,
+    detail: str,
+    stem: str | None,
+    state: TrainedState | None,
+    resume: Callable[[str], str] = lambda stem: f".resume_from({stem!r})",
 ) -> TrainingStopped:
     """The error ``join()`` raises after a ShutdownWithSave, with the resume point read from the
-    bundle on disk (the stop's own bundle, or the previous one when it could not be saved)."""
+    bundle on disk (the stop's own bundle, or the previous one when it could not be saved);
+    ``resume(stem)`` words the call that resumes (the Trainer's by default)."""
     head = f"training stopped ({save_reason})" + (f": {detail}" if detail else "")
     meta = None
     if stem is not None:
@@ -102,6 +107,7 @@ def training_stopped(
         return TrainingStopped(
             f"{head}; {tail}", save_reason=save_reason, detail=detail, state=state
         )
+    assert stem is not None  # a meta was read from it
     uncovered = sum(
         size
         for entry in (meta.coverage.per_epoch if meta.coverage is not None else [])
@@ -109,7 +115,7 @@ def training_stopped(
         for _, size in entry.uncovered_ranges
     )
     return TrainingStopped(
-        f"{head}; resume from its bundle with .resume_from({stem!r}) (epoch {meta.epoch}, "
+        f"{head}; resume from its bundle with {resume(stem)} (epoch {meta.epoch}, "
         f"{uncovered} samples of it still to train)",
         save_reason=save_reason,
         detail=detail,

@@ -305,3 +305,54 @@ def test_ranks_obey_the_standalone_coordinators_timeouts(
                 p.kill()
                 p.wait()
         stop(coord)
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_standalone_run_says_so_and_how_to_resume(tmp_path: Path) -> None:
+    """A lone collective survivor stops the run (ShutdownWithSave ``single_survivor``): the
+    coordinator exits 1 with one line naming the reason and the command that resumes from the
+    stop's bundle; the survivor's ``join()`` raises TrainingStopped with the Trainer's call."""
+    stem = str(tmp_path / "ck")
+    coord, address = start_coord(
+        tmp_path,
+        *("--mode", "nccl_cadence", "--epochs", "500", "--save-path", stem),
+        verbose=True,
+    )
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for rank in range(2):
+            env = {
+                **os.environ,
+                "FLODL_COORD": address,
+                "FLODL_RUN_ID": RUN_IDS[address],
+                "FLODL_SECRET_FILE": str(tmp_path / "secret"),
+                "FLODL_RANK": str(rank),
+                "FLODL_WORLD_SIZE": "2",
+            }
+            cmd = [sys.executable, str(JOIN), "--out", str(tmp_path), "--epochs", "500"]
+            cmd += ["--mode", "nccl_cadence", "--save", stem]
+            procs.append(
+                subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+            )
+        assert coord.stderr is not None
+        while "epoch 0:" not in (line := coord.stderr.readline()):  # the cohort trains
+            assert line, "the coordinator ended before its first epoch"
+        procs[1].kill()
+        assert procs[0].wait(timeout=120) == 1
+        _, survivor = procs[0].communicate(timeout=30)
+        assert coord.wait(timeout=60) == 1
+        _, err = coord.communicate(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=30)
+        stop(coord)
+    lines = [ln for ln in err.splitlines() if ln.startswith("flodl coord: ")]
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("flodl coord: training stopped (single_survivor): ")
+    assert f"plus --resume-from {stem} (the ranks with resume_from={stem!r})" in lines[0]
+    assert "samples of it still to train" in lines[0]
+    last = survivor.strip().splitlines()[-1].removeprefix("[rank0]: ")  # torch's prefix
+    assert last.startswith("flodl.errors.TrainingStopped: training stopped (single_survivor)")
+    assert f".resume_from({stem!r})" in last
