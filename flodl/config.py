@@ -165,7 +165,7 @@ class ElCheConfig(_Config):
 
 
 class EpochCallbackPolicy:
-    """Which rank runs ``epoch_fn``, eval and ``checkpoint_fn`` (flodl-spec.md §6.7).
+    """Which rank runs ``epoch_fn``, eval and ``checkpoint_fn`` (docs/design.md §2).
 
     ``EpochCallbackPolicy.Fastest`` (default): the live rank with the lowest smoothed ms/batch,
     elected at the first calibration and re-elected only when it dies.

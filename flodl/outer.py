@@ -1,5 +1,5 @@
 """Outer optimizers: what happens to the averaged parameters between the reduce and the scatter
-(flodl-spec.md §4.5, SlowMo / DiLoCo).
+(docs/design.md §6, SlowMo / DiLoCo).
 
 The pseudo-gradient of a window is ``g = prev_global − consensus``; the first window has
 ``prev_global = consensus`` (``g = 0``), so the first outer step is the identity.

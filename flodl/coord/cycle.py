@@ -1,6 +1,6 @@
 """Averaging cycles: the count gate, the Idle/Pending cycle, collective sessions, throttles.
 
-Pure module. Rules (DESIGN.md §4, flodl-spec.md §6.2–6.3, §6.9):
+Pure module. Rules (docs/design.md §2):
 
 * **Count gate** (:func:`should_average`): a reduce fires when every *live* rank hit its count
   (Sync: ≥ 1 step since the last reduce; Cadence/Async: ``batch_counts[r]``) or is quiesced

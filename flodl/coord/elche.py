@@ -28,7 +28,7 @@ Sub-machines and who sees what:
   consecutive Stables.
 - Liveness mask: :meth:`ElChe.mark_dead` (called by the coordinator when a rank dies).
 
-Choices (where the spec is silent or ambiguous):
+Choices (where the original is silent or ambiguous):
 
 - ``world_size`` may be 1 (the Rust original asserts ≥ 2); a one-rank world is well defined.
 - ``anchor > max_anchor`` is clamped (Rust builder order: ``min_anchor`` is lowered to
@@ -523,8 +523,8 @@ class ElChe:
     ) -> None:
         """Report one window's measured wall (ms) and *actual* batches per rank, plus the reduce.
 
-        Steps (spec §2.3): push readings into trust rings (or count misses); elect the anchor
-        rank if allowed; escape a dead pinned anchor; stage a growth proposal; recompute the
+        Steps (docs/design.md §4): push readings into trust rings (or count misses); elect the
+        anchor rank if allowed; escape a dead pinned anchor; stage a growth proposal; recompute the
         counts with the current anchor; snapshot, calibrate, advance the phase. Returns early,
         without calibrating, when no anchor rank has a reading.
 

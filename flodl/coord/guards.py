@@ -17,11 +17,11 @@ Guards:
 
 Pure: standard-library data modules only; no clock, no I/O.
 
-Choices (where the spec is silent or ambiguous):
+Choices (where the original is silent or ambiguous):
 
 - :class:`MsfGuard`: a ``D`` at or below the noise floor (1e-8) resets the whole estimator
-  (previous ``D``, EMA and its step count), as the spec says; the Rust code of that era only
-  dropped the previous ``D`` and kept the EMA. Streaks then decay on their own because
+  (previous ``D``, EMA and its step count), as the original's design says; the Rust code of
+  that era only dropped the previous ``D`` and kept the EMA. Streaks then decay on their own because
   ``λ_ema`` is unknown until two valid readings.
 - ``d_raw`` ignores NaN deltas and is never below 0 (Rust's ``fold(0.0, f64::max)``).
 - ``TrendGuard.restore_history`` keeps the last five values; ``TrendGuard`` telemetry is
@@ -359,7 +359,7 @@ def make_guard(
     divergence_threshold: float | None = None,
     easgd_alpha: float | None = None,
 ) -> ConvergenceGuard:
-    """Pick the run's guard with the config precedence of spec §3.2.
+    """Pick the run's guard with the config precedence of docs/design.md §4.
 
     A user ``convergence_guard`` wins; else ``no_divergence_guard`` gives :class:`NoGuard`; else
     a :class:`TrendGuard` at ``divergence_threshold``, defaulting to 0.3 when ``easgd_alpha`` is

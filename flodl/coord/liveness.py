@@ -1,6 +1,6 @@
 """Liveness: who is alive, who is stale, who exited cleanly, when the run is unrecoverable.
 
-Pure module (time is an argument). Rules (DESIGN.md §4 "Liveness"):
+Pure module (time is an argument). Rules (docs/design.md §2 "Liveness"):
 
 * every frame from a rank refreshes its ``last_seen_at``; a rank silent for
   ``heartbeat_timeout_s`` is stale and gets declared dead;
@@ -167,7 +167,7 @@ def unrecoverable_reason(
     needs_two: bool,
     max_failure: MaxFailure | None,
 ) -> tuple[SaveReason, str] | None:
-    """Whether the survivors must stop (flodl-spec.md §6.5), with a human-readable reason.
+    """Whether the survivors must stop (docs/design.md §2), with a human-readable reason.
 
     Order: ``max_failure`` breach, then the backend floors: with ``needs_two`` (a collective
     backend needs two survivors to have anything to average with) a lone survivor stops; the

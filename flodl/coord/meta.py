@@ -17,7 +17,7 @@ multiply, clamped again. Phases are hints, not gates, except Probe, which never 
 
 Pure: standard-library data modules only; no clock, no I/O.
 
-Choices (where the spec is silent or ambiguous):
+Choices (where the original is silent or ambiguous):
 
 - ``lr=None`` ("no LR known yet") records nothing and returns ``None``: the windows start with the
   first known LR, as if ``observe`` had not been called (the coordinator is a no-op until then).

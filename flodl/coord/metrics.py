@@ -1,6 +1,6 @@
 """Metrics: per-epoch aggregation into :class:`EpochMetrics` and sub-epoch window reports.
 
-Pure module. Rules (flodl-spec.md §6.8, §9.2):
+Pure module. Rules (docs/design.md §2, §7):
 
 * ranks send one ``metrics`` frame per finished chunk (progressive) or partition (sync); per
   rank the records are summed; ``avg_loss`` is the batch-weighted mean over ranks; user scalars

@@ -58,7 +58,7 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------
-# Partitions (spec §5.2, §5.5)
+# Partitions (docs/design.md §5)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -172,7 +172,7 @@ def partition_sizes(
     ratios: Sequence[float] | None = None,
     proportional: bool = False,
 ) -> list[int]:
-    """Per-rank partition sizes, in batches, of a non-progressive epoch (spec §5.2).
+    """Per-rank partition sizes, in batches, of a non-progressive epoch (docs/design.md §5).
 
     Priority: explicit ``ratios`` (:func:`ratio_to_sizes`); else, when ``proportional`` and every
     alive rank has a known speed (``ms_per_batch`` finite and ``> 0``), the throughput split
@@ -270,7 +270,7 @@ def carve_ranges(ranges: Iterable[BatchRange], sizes: Sequence[int]) -> list[lis
 def split_among(
     ranges: Iterable[BatchRange], alive_ranks: Iterable[int]
 ) -> list[tuple[int, BatchRange]]:
-    """Split returned work equally among survivors (spec §5.5, non-progressive path).
+    """Split returned work equally among survivors (docs/design.md §5, non-progressive path).
 
     Survivors are taken in ascending rank order; each gets ``n // k`` batches, the first
     ``n % k`` one more, as consecutive pieces of the sorted work. The coordinator then passes
@@ -307,7 +307,7 @@ def split_among(
 
 
 # ---------------------------------------------------------------------------------------------
-# Epoch tail (spec §5.4)
+# Epoch tail (docs/design.md §5)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -322,7 +322,7 @@ def _check_counts(counts: Sequence[int], alive: Sequence[bool]) -> None:
 def final_window_due(rem: int, counts: Sequence[int], alive: Sequence[bool]) -> bool:
     """Whether the remainder is a final window: ``0 < rem < Σcounts_alive + W`` (barrier-paced).
 
-    ``W`` is the world size (``len(counts)``), as in the spec.
+    ``W`` is the world size (``len(counts)``), as in the original.
     """
     _check_counts(counts, alive)
     total = sum(c for c, a in zip(counts, alive, strict=True) if a)
@@ -355,7 +355,7 @@ def consolidate_lone_ones(alloc: Sequence[int], alive: Sequence[bool]) -> list[i
 
 
 def final_window_alloc(rem: int, counts: Sequence[int], alive: Sequence[bool]) -> list[int]:
-    """Allocate an epoch's final reduce window of ``rem`` batches (spec §5.4).
+    """Allocate an epoch's final reduce window of ``rem`` batches (docs/design.md §5).
 
     Fold band (``rem >= Σcounts_alive``): every alive rank gets its count, then the crumb
     ``rem − Σ`` goes one batch per rank to the slowest (smallest count, ties to the lowest rank)
@@ -448,7 +448,8 @@ def chunk_batches(
     total_batches: int,
     min_chunk_batches: int = 1,
 ) -> int:
-    """Size of a rank's next progressive chunk, in batches (spec §5.3 ``compute_chunk_batches``).
+    """Size of a rank's next progressive chunk, in batches (the original's
+    ``compute_chunk_batches``; docs/design.md §5).
 
     Holds (returns 0) when nothing is unassigned or the reduce barrier is reached
     (``steps_in_window >= reduce_step_budget``). Otherwise, in priority order:

@@ -1,6 +1,6 @@
 """Callback roles: which rank runs ``epoch_fn``, eval and ``checkpoint_fn``.
 
-Pure module. Rules (flodl-spec.md §6.7, DESIGN.md §4 "Roles"):
+Pure module. Rules (docs/design.md §2, §6 "Callbacks"):
 
 * ``Fastest`` (default): before the first calibration every role is the lowest live rank; at
   the first calibration the live rank with the lowest smoothed ms/batch is elected (ties → lowest

@@ -2,7 +2,7 @@
 
 Pure module (no processes, sockets, clocks or torch): frozen pydantic models (:class:`Cluster`,
 :class:`Worker`, :class:`Controller`, :class:`SshSettings`), the rank slots, the user ``env``
-rules and the validation-error messages, after flodl-spec.md §10. The fluent
+rules and the validation-error messages, after the original (docs/design.md §2c). The fluent
 :class:`~flodl.launch.builder.ClusterBuilder` and the ``fdl.cluster.yml`` reader
 (:func:`~flodl.launch.cluster_file.load_cluster_yaml`,
 :func:`~flodl.launch.cluster_file.parse_cluster_yaml`) build on these models: both apply the same

@@ -1,4 +1,4 @@
-"""The ``fdl.cluster.yml`` reader (flodl-spec.md §10): a strict YAML load that refuses duplicate
+"""The ``fdl.cluster.yml`` reader (docs/design.md §2c): a strict YAML load that refuses duplicate
 keys, then the ``cluster:`` body validated as a :class:`~flodl.launch.cluster.Cluster`.
 """
 
@@ -57,7 +57,7 @@ def _yaml_error(exc: yaml.YAMLError) -> str:
 
 
 def parse_cluster_yaml(text: str, *, source: str = "<string>") -> Cluster:
-    """Parse an ``fdl.cluster.yml`` document (flodl-spec.md §10)::
+    """Parse an ``fdl.cluster.yml`` document (docs/design.md §2c)::
 
         cluster:
           controller: {host: 10.0.0.1, port: 1337, path: /opt/run}

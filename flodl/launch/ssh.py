@@ -1,6 +1,6 @@
 """Fan-out over ssh: start a rank (or any flodl child) on a worker host with the system ``ssh``.
 
-After flodl-spec.md §1.2 and §10: the launcher reaches every remote worker with the system
+After docs/design.md §2c: the launcher reaches every remote worker with the system
 ``ssh`` client (so the user's keys, agent, ``~/.ssh/config`` and jump hosts all apply) and runs
 one command there. This module builds that command and starts it; supervising the process
 (exit codes, deaths reported to the coordinator) is the launcher's business.

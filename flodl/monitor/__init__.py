@@ -1,1 +1,4 @@
-"""Run monitoring: the on-disk record log, the alert lane and the live dashboard (spec §9)."""
+"""Run monitoring: the on-disk record log, the alert lane and the live dashboard.
+
+See docs/design.md §7.
+"""

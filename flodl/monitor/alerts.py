@@ -1,4 +1,4 @@
-"""The alert lane: rate-limited ``event`` records for things an operator must see (spec §9.3).
+"""The alert lane: rate-limited ``event`` records an operator must see (docs/design.md §7).
 
 Pure logic: time is an argument (``now``, monotonic seconds), nothing here reads a clock except
 :func:`~flodl.monitor.records.make_record` for the display timestamp when ``wall_ms`` is omitted.
@@ -17,7 +17,7 @@ Rules (one *key* is a ``(class, path)`` pair):
     - Every emitted record is also printed, one line each:
       ``flodl [<class>] <path>: <detail>`` plus `` (×<count>)`` when ``count > 1``.
 
-Choices (where the spec is silent):
+Choices (where the original is silent):
     - :meth:`AlertLane.offer` returns ``list[dict]``, not ``dict | None``: an eviction can emit an
       older key's pending record alongside the new key's first one (the evicted one comes first).
     - An emitted record carries the detail of the offer that emits it (for a flush or an eviction:
@@ -48,7 +48,7 @@ _RANK: Final = {sev: i for i, sev in enumerate(SEVERITIES)}
 def _default_printer(line: str) -> None:
     # A closed or broken stdout must not take the run down.
     with contextlib.suppress(OSError, ValueError):
-        print(line, flush=True)  # noqa: T201 (spec §9.3: alerts always go to stdout)
+        print(line, flush=True)  # noqa: T201 (docs/design.md §7: alerts always go to stdout)
 
 
 def format_alert(record: dict[str, Any]) -> str:

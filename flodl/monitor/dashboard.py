@@ -1,4 +1,4 @@
-"""The live dashboard: a small asyncio HTTP/1.1 server over a :class:`RecordHub` (spec §9.3).
+"""The live dashboard: a small asyncio HTTP/1.1 server over a record hub (docs/design.md §7).
 
 Endpoints (``GET`` only; anything else is ``405``):
 

@@ -23,7 +23,7 @@ Rules:
     - **Reads cost what they return.** :meth:`~RecordHub.node` looks up one node and walks its
       direct children (a per-node child index), never the whole path table.
 
-Scope (a choice; the spec is silent): a node's *scope* is either the node alone
+Scope (a choice; the original is silent): a node's *scope* is either the node alone
 (``children=False``, the default) or the node plus its direct children (``children=True``),
 the same for :meth:`~RecordHub.history` and :meth:`~RecordHub.subscribe`. The page subscribes
 with ``children=True``: it shows a node and a table of its children, and one stream per page

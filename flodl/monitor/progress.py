@@ -1,4 +1,4 @@
-"""The launcher's terminal progress display: one line per update (flodl-spec.md §9).
+"""The launcher's terminal progress display: one line per update (docs/design.md §7).
 
 ``flodl ▏epoch 2/5  47% ▏loss 0.3412 ▏r0 12.3k/s 52% · r1 8.1k/s 48% ▏syncs 12 ▏ETA 1m23s``
 

@@ -1,4 +1,4 @@
-"""The record log: one bounded JSONL ring per node of the record tree (spec §9.3).
+"""The record log: one bounded JSONL ring per node of the record tree (docs/design.md §7).
 
 A *record* is a JSON-ready dict, one per line::
 
@@ -26,7 +26,7 @@ Rules:
     - Readers never raise on file contents: a line that is not a JSON object with the required
       keys (garbage, a torn last line being written right now) is skipped.
 
-Choices (where the spec is silent):
+Choices (where the original is silent):
     - One writer per node directory is assumed (the coordinator); two :class:`RecordLog` objects
       on the same directory keep separate size counts, so the bound holds per writer only.
     - The bound covers the segments this writer rotates: a directory reused with a larger

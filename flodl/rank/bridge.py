@@ -1,12 +1,13 @@
 """The rank's control-plane bridge: a daemon thread whose asyncio loop owns the coordinator socket.
 
-Threads (STYLE.md §0 rule 3). The rank's main thread owns torch and never awaits; the bridge
-thread owns the control connection. They meet only at ``loop.call_soon_threadsafe`` (main →
-bridge: :meth:`RankBridge.send`, :meth:`RankBridge.close`) and one :class:`queue.SimpleQueue`
-inbox (bridge → main: :meth:`RankBridge.recv`, :meth:`RankBridge.poll`). The step counter that
-heartbeats carry is a plain ``int`` attribute the main thread writes (:meth:`RankBridge.set_step`).
+Threads (docs/design.md §0, "Threads"). The rank's main thread owns torch and never awaits;
+the bridge thread owns the control connection. They meet only at
+``loop.call_soon_threadsafe`` (main → bridge: :meth:`RankBridge.send`,
+:meth:`RankBridge.close`) and one :class:`queue.SimpleQueue` inbox (bridge → main:
+:meth:`RankBridge.recv`, :meth:`RankBridge.poll`). The step counter that heartbeats carry is a
+plain ``int`` attribute the main thread writes (:meth:`RankBridge.set_step`).
 
-Liveness, both ways (flodl-spec.md §6.5, DESIGN.md §4):
+Liveness, both ways (docs/design.md §2, §2b):
 
 * rank → coordinator: a :class:`~flodl.wire.frames.Heartbeat` every ``heartbeat_s`` from the
   bridge thread, so a long forward pass never starves it;

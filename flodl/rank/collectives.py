@@ -1,13 +1,13 @@
-"""Collective averaging over ``torch.distributed``: the only importer of it (DESIGN.md §1, §3).
+"""Collective averaging over ``torch.distributed``, its only importer (docs/design.md §0, §2b).
 
 A rank opens one client to the coordinator's ``TCPStore`` (:class:`flodl.service.store.StoreHost`)
 and forms its process group on a ``PrefixStore``: session 0 is the full world under
 ``f"{run_id}/s0"``; after a death the coordinator sends each survivor ``NewSession`` with a fresh
 ``store_prefix`` and the survivor's ``new_rank`` among the ascending surviving global ranks, and
-the rank calls :meth:`Collective.form` again (flodl-spec.md §6.5). Backend: NCCL on CUDA devices,
+the rank calls :meth:`Collective.form` again (docs/design.md §2). Backend: NCCL on CUDA devices,
 Gloo on CPU devices.
 
-Every method runs on the rank's main thread only. Averaging (flodl-spec.md §4.1):
+Every method runs on the rank's main thread only. Averaging (docs/design.md §2b):
 
 * parameters: ``θ̄ = Σ w_k θ_k / Σ w_k`` in one ``all_reduce(SUM)`` of a flat buffer holding
   ``w_k θ_k`` with ``w_k`` appended as the last element (``Σw == 0``: everyone keeps its own);

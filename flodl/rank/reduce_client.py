@@ -6,7 +6,7 @@ the model): :meth:`ReduceClient.reduce` blocks until the coordinator's reduce se
 channel moves whole models, and blocking ``sendmsg``/``recv_into`` on loopback are several
 times faster than asyncio streams.
 
-Per round (flodl-spec §4.1, §4.4): the parameters are pre-scaled by the rank's weight
+Per round (docs/design.md §2b): the parameters are pre-scaled by the rank's weight
 ``w = n^gamma`` into a preallocated scratch copy (the caller's tensors are not touched until
 the consensus arrives) and uploaded as a PARAMS frame of weight ``w``; an idle rank (``w = 0``)
 uploads elided zeros. The float buffers go unscaled in a BUFFERS frame of weight 1 for a rank
@@ -57,7 +57,7 @@ __all__ = ["ReduceClient", "CONNECT_RETRY_S", "HANDSHAKE_TIMEOUT_S"]
 logger = logging.getLogger(__name__)
 
 CONNECT_RETRY_S = 0.5
-"""Pause between connection attempts (flodl-spec §7.6: 60 attempts x 500 ms)."""
+"""Pause between connection attempts (the original's 60 attempts x 500 ms)."""
 HANDSHAKE_TIMEOUT_S = DATA_HANDSHAKE_TIMEOUT_S
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 

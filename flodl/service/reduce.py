@@ -1,4 +1,4 @@
-"""The CPU reduce server: the coordinator's averaging plane (DESIGN.md §2, §5; flodl-spec §4, §7.4).
+"""The CPU reduce server: the coordinator's averaging plane (docs/design.md §2b, §1).
 
 Shell module: threads and blocking sockets. It never imports asyncio: on loopback, blocking
 sockets move bulk data 6-8 times faster than asyncio streams, and every heavy step (``recv_into``,

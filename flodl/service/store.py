@@ -1,4 +1,4 @@
-"""The rendezvous store the coordinator hosts for collective-backend ranks (DESIGN.md §1).
+"""The rendezvous store the coordinator hosts for collective-backend ranks (docs/design.md §2b).
 
 The coordinator process runs one master ``torch.distributed.TCPStore`` and tells every rank its
 port in ``Accept.store_port``; each rank opens a client to it and forms its process group on a

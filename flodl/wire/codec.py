@@ -5,7 +5,8 @@ Pure module (no I/O). The tag is HMAC-SHA256 keyed by the run secret over
 time. ``seq`` is the per-direction frame counter of a connection (see :mod:`flodl.wire.stream`):
 it is never sent, both ends count, so a frame replayed or reordered on a connection fails its
 tag. The 8-byte counter is always part of the MAC input, ``seq=0`` (the default) included, so
-a tag is never HMAC(``length ‖ body``) alone: this extends DESIGN.md §5, which omits ``seq``.
+a tag is never HMAC(``length ‖ body``) alone: this extends the original's design, which omits
+``seq`` (docs/design.md §1).
 
 The length is checked against a ceiling before any buffer is sized from it; every decoding
 failure (truncated, oversize, bad tag, not msgpack, not a map, unknown kind, invalid or extra

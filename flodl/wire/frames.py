@@ -8,7 +8,7 @@ Every numeric field is range-checked (ranks ≥ 0 and below :data:`MAX_WORLD_SIZ
 durations and weights finite and non-negative, losses finite), every string and list is bounded,
 and unknown fields are refused, so a decoded frame is safe to act on.
 
-Directions (flodl-spec.md §7.2-7.3, in snake_case):
+Directions (docs/design.md §1, in snake_case):
 
 * rank → coordinator: :class:`Hello` (first frame on every connection), :class:`Heartbeat`,
   :class:`Batch`, :class:`SyncAck`, :class:`SnapshotReady`, :class:`Metrics`, :class:`LrUpdate`,
@@ -159,7 +159,7 @@ class EpochPlan(_Model):
 
 
 class EpochMetrics(_Model):
-    """One epoch's aggregate across ranks (flodl-spec.md §6.8).
+    """One epoch's aggregate across ranks (docs/design.md §2).
 
     Per-rank lists are indexed by rank and have ``world_size`` entries; a rank that reported
     nothing this epoch has ``None`` in the optional lists and 0 in the counters.
@@ -228,7 +228,7 @@ class Batch(_Frame):
 
 class SyncAck(_Frame):
     """The rank took part in averaging cycle ``cycle``; ``step`` is its cumulative step count
-    at its snapshot. Divergence per flodl-spec.md §3.1: ``||W_pre - W_post|| / ||W_post||``."""
+    at its snapshot. Divergence (docs/design.md §2b): ``||W_pre - W_post|| / ||W_post||``."""
 
     kind: Literal["sync_ack"] = "sync_ack"
     rank: RankId

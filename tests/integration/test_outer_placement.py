@@ -1,6 +1,6 @@
 """The outer optimizer gives the same parameters in its CPU and its collective placement.
 
-flodl-spec §4.5: the outer step runs once at the coordinator for the CPU backend (on the folded
+docs/design.md §6: the outer step runs once at the coordinator for the CPU backend (on the folded
 consensus inside :class:`~flodl.service.reduce.ReduceServer`) and on every rank for the collective
 backend (after :meth:`~flodl.rank.collectives.Collective.weighted_average`). The same
 deterministic uploads go through both real placements and one float64 reference:
@@ -230,7 +230,7 @@ def plain_average(k: int) -> Params:
 
 
 def reference(config: OuterConfig) -> tuple[list[Params], State]:
-    """The spec's outer step (flodl-spec §4.5) over the plain averages, in float64."""
+    """The original's outer step (docs/design.md §6) over the plain averages, in float64."""
     prev: Params = []
     v: Params = []
     out: list[Params] = []

@@ -1,6 +1,6 @@
-"""The outer optimizers (flodl-spec §4.5): OuterStep against a hand-written float64 reference.
+"""The outer optimizers (docs/design.md §6): OuterStep against a hand-written float64 reference.
 
-The reference below is written from the spec's formulas, not from :mod:`flodl.outer`:
+The reference below is written from the original's formulas, not from :mod:`flodl.outer`:
 ``g = prev − consensus; v = mu·v + g``; SlowMo ``new = prev − lr·v``; Nesterov
 ``new = prev − lr·(mu·v + g)``; the first window only sets ``prev``.
 """
@@ -26,7 +26,7 @@ def consensus(window: int, dtype: torch.dtype = torch.float32) -> list[torch.Ten
 
 
 class Reference:
-    """The spec's outer step on float64 copies (independent of flodl.outer)."""
+    """The original's outer step on float64 copies (independent of flodl.outer)."""
 
     def __init__(self, kind: str, lr: float, mu: float) -> None:
         self.kind, self.lr, self.mu = kind, lr, mu

@@ -1,4 +1,4 @@
-"""The virtual clock of the pure-coordinator tests (STYLE.md §1.4: time can't go backwards)."""
+"""The virtual clock of the pure-coordinator tests (time can't go backwards)."""
 
 from __future__ import annotations
 

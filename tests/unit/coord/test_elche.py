@@ -1,4 +1,4 @@
-"""ElChe (spec §2): phases, trust rings, election, growth, counts, verdict seam, hints, state."""
+"""ElChe (docs/design.md §4): phases, trust rings, election, growth, counts, verdicts, state."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Convergence guards (spec §3.1, §3.2): the report, NoGuard, TrendGuard, MsfGuard, make_guard."""
+"""Convergence guards (docs/design.md §4): the report, NoGuard, TrendGuard, MsfGuard, make_guard."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Liveness ledger (DESIGN.md §4 "Liveness", flodl-spec.md §6.5) with the production timeout."""
+"""Liveness ledger (docs/design.md §2 "Liveness") with the production timeout."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""LR-aware meta-controller (spec §3.3): Probe silence, LR cliff, convergence watcher, eff()."""
+"""LR-aware meta-controller (docs/design.md §4): Probe silence, LR cliff, convergence, eff()."""
 
 from __future__ import annotations
 

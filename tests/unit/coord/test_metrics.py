@@ -1,4 +1,4 @@
-"""Epoch aggregation and sub-epoch window reports (flodl-spec.md §6.8, §9.2)."""
+"""Epoch aggregation and sub-epoch window reports (docs/design.md §2, §7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Callback roles (flodl-spec.md §6.7): Fastest election, stickiness, pinned ranks, retries."""
+"""Callback roles (docs/design.md §2): Fastest election, stickiness, pinned ranks, retries."""
 
 from __future__ import annotations
 
