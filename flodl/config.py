@@ -30,9 +30,18 @@ __all__ = [
     "CoordConfig",
     "validated",
     "DEFAULT_BATCH_SIZE",
+    "DEFAULT_ANCHOR",
+    "DEFAULT_MAX_ANCHOR",
+    "DEFAULT_OVERHEAD_TARGET",
 ]
 
 DEFAULT_BATCH_SIZE = 32
+DEFAULT_ANCHOR = 10
+"""ElChe's initial window, in batches of the slowest rank (the original's default)."""
+DEFAULT_MAX_ANCHOR = 1000
+"""The staleness cap on the anchor when none is configured."""
+DEFAULT_OVERHEAD_TARGET = 0.05
+"""The fixed-overhead fraction per window ElChe grows the window to reach."""
 
 
 class Reduction(StrEnum):
@@ -71,13 +80,14 @@ class ElCheConfig(_Config):
     preset's settings are its row of :data:`flodl.modes.MODE_TRAITS`."""
 
     mode: Mode = "nccl_cadence"
-    anchor: Annotated[int, Field(ge=1, le=1_000_000)] = 10
+    anchor: Annotated[int, Field(ge=1, le=1_000_000)] = DEFAULT_ANCHOR
     max_anchor: Annotated[int, Field(ge=1)] | None = None
-    """Staleness cap on the anchor; ``None`` means 1000."""
+    """Staleness cap on the anchor; ``None`` means :data:`DEFAULT_MAX_ANCHOR` (1000)."""
     min_anchor: Annotated[int, Field(ge=1)] | None = None
     """Floor for auto-tune shrink; ``None`` means the initial anchor."""
     overhead_target: Annotated[float, Field(ge=0.01, le=0.5)] | None = None
-    """Target fixed-overhead fraction per window; ``None`` means 0.05."""
+    """Target fixed-overhead fraction per window; ``None`` means :data:`DEFAULT_OVERHEAD_TARGET`
+    (0.05)."""
     max_batch_diff: Annotated[int, Field(ge=0)] | None = None
     relax_up: bool = False
     partition_ratios: tuple[Annotated[float, Field(gt=0.0, allow_inf_nan=False)], ...] | None = None
@@ -148,7 +158,7 @@ class ElCheConfig(_Config):
 
     @property
     def effective_max_anchor(self) -> int:
-        return 1000 if self.max_anchor is None else self.max_anchor
+        return DEFAULT_MAX_ANCHOR if self.max_anchor is None else self.max_anchor
 
     @property
     def effective_min_anchor(self) -> int:
@@ -156,7 +166,7 @@ class ElCheConfig(_Config):
 
     @property
     def effective_overhead_target(self) -> float:
-        return 0.05 if self.overhead_target is None else self.overhead_target
+        return DEFAULT_OVERHEAD_TARGET if self.overhead_target is None else self.overhead_target
 
     @property
     def barrier_paced(self) -> bool:

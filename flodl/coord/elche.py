@@ -70,6 +70,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
+from flodl.config import DEFAULT_ANCHOR, DEFAULT_MAX_ANCHOR, DEFAULT_OVERHEAD_TARGET
 from flodl.coord.elche_state import (
     BATCH_COUNTS_WINDOW_CAP,
     COHORT_BAND,
@@ -157,10 +158,10 @@ class ElChe:
         self,
         world_size: int,
         *,
-        anchor: int = 10,
-        max_anchor: int = 1000,
+        anchor: int = DEFAULT_ANCHOR,
+        max_anchor: int = DEFAULT_MAX_ANCHOR,
         min_anchor: int | None = None,
-        overhead_target: float = 0.05,
+        overhead_target: float = DEFAULT_OVERHEAD_TARGET,
         max_batch_diff: int | None = None,
         window_growth_applicable: bool = True,
     ) -> None:

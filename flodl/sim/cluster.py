@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from flodl.config import CoordConfig, ElCheConfig, MaxFailure, validated
+from flodl.config import DEFAULT_BATCH_SIZE, CoordConfig, ElCheConfig, MaxFailure, validated
 from flodl.coord.cycle import should_average
 from flodl.coord.effects import (
     Alert,
@@ -207,7 +207,7 @@ class SimCluster:
         speeds: Sequence[float],
         *,
         dataset_len: int,
-        batch_size: int = 32,
+        batch_size: int = DEFAULT_BATCH_SIZE,
         epochs: int = 1,
         failures: Sequence[Failure] = (),
         seed: int = 0,

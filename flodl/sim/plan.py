@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flodl.config import MODES
+from flodl.config import DEFAULT_BATCH_SIZE, MODES
 from flodl.errors import ConfigError
 from flodl.sim.cluster import SimCluster, SimTrace
 
@@ -23,7 +23,7 @@ class RigPlan:
     speeds: tuple[float, ...]
     base_ms: float = 10.0
     dataset_len: int = 50_000
-    batch_size: int = 32
+    batch_size: int = DEFAULT_BATCH_SIZE
     epochs: int = 1
     reduce_ms: float = 5.0
     seed: int = 0
