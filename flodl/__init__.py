@@ -18,6 +18,7 @@ from flodl.errors import (  # noqa: E402
     LocalProtocolError,
     ProtocolError,
     RemoteProtocolError,
+    TrainingStopped,
 )
 
 __version__ = "0.1.0"
@@ -54,6 +55,7 @@ __all__ = [
     "LocalProtocolError",
     "ProtocolError",
     "RemoteProtocolError",
+    "TrainingStopped",
 ]
 
 logging.getLogger("flodl").addHandler(logging.NullHandler())

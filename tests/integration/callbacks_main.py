@@ -30,10 +30,10 @@ from flodl import (
     SlowMomentum,
     TensorBatchDataset,
     Trainer,
+    TrainingStopped,
     record_scalar,
 )
 from flodl.chaos import ChaosPlan
-from flodl.errors import TrainingStopped
 
 OUTERS = {
     "none": OuterAvg(),

@@ -124,6 +124,54 @@ def test_a_schedulers_lr_cliff_reaches_the_coordinator_and_halves_the_window() -
 
 
 @pytest.mark.timeout(150)
+def test_launched_ranks_obey_the_one_knob_through_their_coordinator(tmp_path: Path) -> None:
+    """Tier 2: ``heartbeat_timeout(4)`` under ``FLODL_NET_TIMEOUT_SCALE=0.5`` is a 2 s liveness
+    timeout for the ranks: a frozen launcher (its coordinator silent, connections open) is lost
+    after 2 s, each rank says so in its death record, and the launcher, thawed, names it."""
+    tag = f"flodl-test-{uuid.uuid4().hex}"
+    env = {**os.environ, "FLODL_NET_TIMEOUT_SCALE": "0.5"}
+    cmd = [sys.executable, str(SCRIPT), "--tag", tag, "--ranks", "2", "--epochs", "500"]
+    launcher = subprocess.Popen(
+        [*cmd, "--heartbeat-timeout", "4"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert launcher.stdout is not None
+        while "epoch 0 loss" not in (line := launcher.stdout.readline()):  # the cohort trains
+            assert line, launcher.stderr.read() if launcher.stderr else ""
+        launcher.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+
+        def ranks_alive() -> list[str]:
+            return [p for p in processes_with(tag) if int(p.split()[0]) != launcher.pid]
+
+        while ranks_alive():  # the frozen launcher cannot report its children's exit
+            assert time.monotonic() < deadline, ranks_alive()
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGCONT)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.send_signal(signal.SIGCONT)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode != 0
+    records = sorted(tmp_path.glob("flodl-runs/*/run.rank*.death.json"))
+    assert [r.name for r in records] == ["run.rank0.death.json", "run.rank1.death.json"]
+    from flodl import checkpoint
+
+    for rank, record in enumerate(records):
+        error = checkpoint.read_death_record(str(record.parent / "run"), rank).error
+        assert "liveness timeout 2 s" in error, error
+    assert "liveness timeout 2 s" in err, err[-3000:]
+    assert processes_with(tag) == []
+
+
+@pytest.mark.timeout(150)
 def test_a_crashing_rank_is_survived_and_leaves_no_process() -> None:
     tag = f"flodl-test-{uuid.uuid4().hex}"
     out = run_script(tag, "--ranks", "3", "--crash-rank", "1", "--crash-step", "20")

@@ -2,7 +2,8 @@
 
 The launcher re-executes this very script per rank (``--tag`` lets the test find every process
 of one run). ``--crash-rank R --crash-step S`` makes rank R raise in train_step at step S;
-``--lr-drop-at S`` gives every rank a ``scheduler_fn`` that cuts the LR 10× from step S.
+``--lr-drop-at S`` gives every rank a ``scheduler_fn`` that cuts the LR 10× from step S;
+``--heartbeat-timeout T`` sets the run's one timeout knob.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def main() -> None:
     p.add_argument("--crash-rank", type=int, default=-1)
     p.add_argument("--crash-step", type=int, default=0)
     p.add_argument("--lr-drop-at", type=int, default=-1)
+    p.add_argument("--heartbeat-timeout", type=float, default=None)
     args = p.parse_args()
     print(f"process rank={os.environ.get('FLODL_RANK', 'launcher')}", flush=True)
 
@@ -56,6 +58,8 @@ def main() -> None:
         .local_ranks(args.ranks)
         .metrics_fn(lambda m: print(f"epoch {m.epoch} loss {m.avg_loss:.4f}", flush=True))
     )
+    if args.heartbeat_timeout is not None:
+        builder = builder.heartbeat_timeout(args.heartbeat_timeout)
     if args.lr_drop_at >= 0:
         drop = args.lr_drop_at
         builder = builder.scheduler_fn(lambda rank: lambda step: 0.1 if step < drop else 0.01)
