@@ -7,7 +7,9 @@ import signal
 import stat
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -55,6 +57,35 @@ def start_coord(
     # the ranks need the coordinator's (random) run id: it is on the same line
     RUN_IDS[address] = second.split("FLODL_RUN_ID=")[1].split()[0]
     return proc, address
+
+
+def flodl_env(
+    address: str, tmp: Path, rank: int, base: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """``base`` plus what a rank needs to join the coordinator at ``address`` by hand."""
+    return {
+        **base,
+        "FLODL_COORD": address,
+        "FLODL_RUN_ID": RUN_IDS[address],
+        "FLODL_SECRET_FILE": str(tmp / "secret"),
+        "FLODL_RANK": str(rank),
+        "FLODL_WORLD_SIZE": "2",
+    }
+
+
+def reap(procs: Sequence[subprocess.Popen[Any]]) -> None:
+    """Kill what is still running of ``procs`` and collect every one (pipes closed)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=30)
+
+
+def wait_for_training(coord: subprocess.Popen[str]) -> None:
+    """Read the (verbose) coordinator's log until its first epoch closes."""
+    assert coord.stderr is not None
+    while "epoch 0:" not in (line := coord.stderr.readline()):
+        assert line, "the coordinator ended before its first epoch"
 
 
 def stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
@@ -121,14 +152,7 @@ def test_ranks_started_by_hand_join_with_flodl_variables(tmp_path: Path) -> None
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for rank in range(2):
-            env = {
-                **os.environ,
-                "FLODL_COORD": address,
-                "FLODL_RUN_ID": RUN_IDS[address],
-                "FLODL_SECRET_FILE": str(tmp_path / "secret"),
-                "FLODL_RANK": str(rank),
-                "FLODL_WORLD_SIZE": "2",
-            }
+            env = flodl_env(address, tmp_path, rank)
             procs.append(
                 subprocess.Popen([sys.executable, str(JOIN), "--out", str(tmp_path)], env=env)
             )
@@ -136,10 +160,7 @@ def test_ranks_started_by_hand_join_with_flodl_variables(tmp_path: Path) -> None
         assert coord.wait(timeout=30) == 0
         identical(tmp_path)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        reap(procs)
         stop(coord)
 
 
@@ -152,23 +173,13 @@ def test_a_standalone_coordinator_saves_bundles_and_resumes(tmp_path: Path) -> N
     def cohort(*args: str) -> None:
         procs = []
         for rank in range(2):
-            env = {
-                **os.environ,
-                "FLODL_COORD": address,
-                "FLODL_RUN_ID": RUN_IDS[address],
-                "FLODL_SECRET_FILE": str(tmp_path / "secret"),
-                "FLODL_RANK": str(rank),
-                "FLODL_WORLD_SIZE": "2",
-            }
+            env = flodl_env(address, tmp_path, rank)
             cmd = [sys.executable, str(JOIN), "--out", str(tmp_path), "--save", stem, *args]
             procs.append(subprocess.Popen(cmd, env=env))
         try:
             assert [p.wait(timeout=100) for p in procs] == [0, 0]
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            reap(procs)
 
     coord, address = start_coord(tmp_path, "--mode", "cpu_cadence", "--save-path", stem)
     try:
@@ -277,19 +288,10 @@ def test_ranks_obey_the_standalone_coordinators_timeouts(
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for rank in range(2):
-            env = {
-                **rank_env,
-                "FLODL_COORD": address,
-                "FLODL_RUN_ID": RUN_IDS[address],
-                "FLODL_SECRET_FILE": str(tmp_path / "secret"),
-                "FLODL_RANK": str(rank),
-                "FLODL_WORLD_SIZE": "2",
-            }
+            env = flodl_env(address, tmp_path, rank, rank_env)
             cmd = [sys.executable, str(JOIN), "--out", str(tmp_path), "--epochs", "500"]
             procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL, cwd=tmp_path))
-        assert coord.stderr is not None
-        while "epoch 0:" not in (line := coord.stderr.readline()):  # the cohort trains
-            assert line, "the coordinator ended before its first epoch"
+        wait_for_training(coord)
         coord.send_signal(signal.SIGSTOP)  # silent, connections still open
         codes = [p.wait(timeout=120) for p in procs]
         assert all(code != 0 for code in codes)
@@ -300,10 +302,7 @@ def test_ranks_obey_the_standalone_coordinators_timeouts(
             assert f"liveness timeout {hb:g} s" in record.error, record.error
     finally:
         coord.send_signal(signal.SIGCONT)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        reap(procs)
         stop(coord)
 
 
@@ -321,32 +320,20 @@ def test_a_stopped_standalone_run_says_so_and_how_to_resume(tmp_path: Path) -> N
     procs: list[subprocess.Popen[str]] = []
     try:
         for rank in range(2):
-            env = {
-                **os.environ,
-                "FLODL_COORD": address,
-                "FLODL_RUN_ID": RUN_IDS[address],
-                "FLODL_SECRET_FILE": str(tmp_path / "secret"),
-                "FLODL_RANK": str(rank),
-                "FLODL_WORLD_SIZE": "2",
-            }
+            env = flodl_env(address, tmp_path, rank)
             cmd = [sys.executable, str(JOIN), "--out", str(tmp_path), "--epochs", "500"]
             cmd += ["--mode", "nccl_cadence", "--save", stem]
             procs.append(
                 subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
             )
-        assert coord.stderr is not None
-        while "epoch 0:" not in (line := coord.stderr.readline()):  # the cohort trains
-            assert line, "the coordinator ended before its first epoch"
+        wait_for_training(coord)
         procs[1].kill()
         assert procs[0].wait(timeout=120) == 1
         _, survivor = procs[0].communicate(timeout=30)
         assert coord.wait(timeout=60) == 1
         _, err = coord.communicate(timeout=30)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate(timeout=30)
+        reap(procs)
         stop(coord)
     lines = [ln for ln in err.splitlines() if ln.startswith("flodl coord: ")]
     assert len(lines) == 1, err[-3000:]

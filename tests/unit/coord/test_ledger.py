@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
+from batchranges import R, batches_of, ranges_of
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -21,28 +22,6 @@ from flodl.coord.partition import (
     split_among,
 )
 from flodl.errors import CoverageError, FlodlError, LocalProtocolError
-
-if TYPE_CHECKING:
-    from collections.abc import Iterable
-
-R = BatchRange
-
-
-def batches_of(ranges: Iterable[BatchRange]) -> list[int]:
-    """Expand ranges to batch ids (small test sizes only)."""
-    return [b for rng in ranges for b in range(rng.start, rng.stop)]
-
-
-def ranges_of(batches: Iterable[int]) -> list[BatchRange]:
-    """Coalesce batch ids into sorted ranges."""
-    out: list[BatchRange] = []
-    for b in sorted(batches):
-        if out and out[-1].stop == b:
-            out[-1] = R(out[-1].start, b + 1)
-        else:
-            out.append(R(b, b + 1))
-    return out
-
 
 # ---------------------------------------------------------------------------------------------
 # EpochWork

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
+from batchranges import R, batches_of, ranges_of
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flodl.coord.ledger import BatchRange
 from flodl.coord.partition import (
     carve_ranges,
     chunk_batches,
@@ -22,28 +22,6 @@ from flodl.coord.partition import (
     split_among,
 )
 from flodl.errors import LocalProtocolError
-
-if TYPE_CHECKING:
-    from collections.abc import Iterable
-
-R = BatchRange
-
-
-def batches_of(ranges: Iterable[BatchRange]) -> list[int]:
-    """Expand ranges to batch ids (small test sizes only)."""
-    return [b for rng in ranges for b in range(rng.start, rng.stop)]
-
-
-def ranges_of(batches: Iterable[int]) -> list[BatchRange]:
-    """Coalesce batch ids into sorted ranges."""
-    out: list[BatchRange] = []
-    for b in sorted(batches):
-        if out and out[-1].stop == b:
-            out[-1] = R(out[-1].start, b + 1)
-        else:
-            out.append(R(b, b + 1))
-    return out
-
 
 # ---------------------------------------------------------------------------------------------
 # Partitions

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
 
 import pytest
+from batchranges import R
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flodl.coord.ledger import BatchRange, from_samples, to_samples
+from flodl.coord.ledger import from_samples, to_samples
 from flodl.errors import LocalProtocolError
 from flodl.sampling import (
     SHUFFLE_BASE_SEED,
@@ -20,28 +20,6 @@ from flodl.sampling import (
     pick_to_sample,
     plan_picks,
 )
-
-if TYPE_CHECKING:
-    from collections.abc import Iterable
-
-R = BatchRange
-
-
-def batches_of(ranges: Iterable[BatchRange]) -> list[int]:
-    """Expand ranges to batch ids (small test sizes only)."""
-    return [b for rng in ranges for b in range(rng.start, rng.stop)]
-
-
-def ranges_of(batches: Iterable[int]) -> list[BatchRange]:
-    """Coalesce batch ids into sorted ranges."""
-    out: list[BatchRange] = []
-    for b in sorted(batches):
-        if out and out[-1].stop == b:
-            out[-1] = R(out[-1].start, b + 1)
-        else:
-            out.append(R(b, b + 1))
-    return out
-
 
 # ---------------------------------------------------------------------------------------------
 # Index space and permutation
