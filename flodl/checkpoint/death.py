@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, StrictInt, StrictStr, ValidationError
+from pydantic import Field, StrictInt, StrictStr
 
-from flodl.checkpoint.files import atomic_write_bytes, death_path, is_int, normalize_stem
-from flodl.checkpoint.meta import JsonModel, NonNegInt, PosInt, validation_problem
+from flodl.checkpoint.files import atomic_write_bytes, death_path, normalize_stem
+from flodl.checkpoint.meta import JsonModel, NonNegInt, PosInt, read_json_model
 from flodl.errors import CheckpointError, ConfigError
 
 __all__ = [
@@ -78,23 +78,7 @@ def read_death_record(path_or_stem: str | os.PathLike[str], rank: int | None = N
             disagrees with the file name.
     """
     path = Path(path_or_stem) if rank is None else death_path(path_or_stem, rank)
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"no death record at {path}") from None
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path}: not a JSON death record: {exc}") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: a death record must be a JSON object")
-    version = raw.get("schema_version")
-    if is_int(version) and version > DEATH_SCHEMA_VERSION:
-        raise CheckpointError(
-            f"{path}: written by a newer flodl (schema {version} > {DEATH_SCHEMA_VERSION}); upgrade"
-        )
-    try:
-        record = DeathRecord.model_validate(raw)
-    except ValidationError as exc:
-        raise CheckpointError(f"{path}: invalid death record: {validation_problem(exc)}") from None
+    record = read_json_model(path, DeathRecord, "death record", DEATH_SCHEMA_VERSION)
     named = _DEATH_NAME.search(path.name)
     if named is not None and int(named.group(1)) != record.rank:
         raise CheckpointError(f"{path}: the record says rank {record.rank}")

@@ -22,7 +22,7 @@ import os
 import re
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Self, get_args
+from typing import Annotated, Any, Self, TypeVar, get_args
 
 from pydantic import (
     BaseModel,
@@ -209,6 +209,40 @@ def validation_problem(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+M = TypeVar("M", bound=BaseModel)
+
+
+def read_json_model(path: Path, model: type[M], what: str, newest: int) -> M:
+    """Read the JSON object at ``path`` into ``model``; ``what`` names it in every error.
+
+    Raises:
+        CheckpointError: missing, unreadable, not JSON (or absurdly deep), not an object, a
+            ``schema_version`` above ``newest``, or invalid fields (named); the message starts
+            with the path.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"no {what} at {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot read the {what}: {exc}") from None
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+        raise CheckpointError(f"{path}: not JSON: {type(exc).__name__}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: the {what} must be a JSON object, not {type(raw).__name__}")
+    version = raw.get("schema_version")
+    if is_int(version) and version > newest:
+        raise CheckpointError(
+            f"{path}: written by a newer flodl (schema {version} > {newest}); upgrade"
+        )
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise CheckpointError(f"{path}: invalid {what}: {validation_problem(exc)}") from None
+
+
 def write_meta(stem: str | os.PathLike[str], meta: Mapping[str, Any]) -> Path:
     """Validate ``meta`` (e.g. :meth:`Coordinator.meta_record`) and write ``S.meta.json``
     atomically as pretty JSON.
@@ -259,27 +293,7 @@ def read_meta(stem: str | os.PathLike[str], *, world_size: int | None = None) ->
             has invalid fields (named), or was saved with another world size.
     """
     path = meta_path(stem)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CheckpointError(f"no checkpoint meta at {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: cannot read the checkpoint meta: {exc}") from exc
-    try:
-        raw = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
-        raise CheckpointError(f"{path}: not JSON: {type(exc).__name__}: {exc}") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: the meta must be a JSON object, not {type(raw).__name__}")
-    version = raw.get("schema_version")
-    if is_int(version) and version > META_SCHEMA_VERSION:
-        raise CheckpointError(
-            f"{path}: written by a newer flodl (schema {version} > {META_SCHEMA_VERSION}); upgrade"
-        )
-    try:
-        meta = CheckpointMeta.model_validate(raw)
-    except ValidationError as exc:
-        raise CheckpointError(f"{path}: invalid meta: {validation_problem(exc)}") from None
+    meta = read_json_model(path, CheckpointMeta, "checkpoint meta", META_SCHEMA_VERSION)
     if world_size is not None and meta.world_size_at_save != world_size:
         raise CheckpointError(
             f"{path}: saved with world size {meta.world_size_at_save}, this run has "

@@ -920,7 +920,7 @@ _GOOD_DEATH: dict[str, Any] = {
 @pytest.mark.parametrize(
     ("content", "match"),
     [
-        ("garbage", "not a JSON death record"),
+        ("garbage", "not JSON"),
         ("[]", "must be a JSON object"),
         ({**_GOOD_DEATH, "schema_version": 2}, r"newer flodl \(schema 2 > 1\)"),
         ({**_GOOD_DEATH, "rank": -1}, "rank"),
