@@ -88,15 +88,16 @@ def processes_with(tag: str) -> list[str]:
 
 
 def run_script(
-    tmp: Path, name: str, args: list[str]
+    tmp: Path, name: str, args: list[str], timeout_s: float = 200
 ) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Run the chaos job script under a fresh tag; its output goes to ``tmp/<name>.*`` too."""
     tag = f"flodl-chaos-{uuid.uuid4().hex}"
     out = subprocess.run(
         [sys.executable, str(SCRIPT), "--tag", tag, "--log-dir", str(tmp / name), *args],
         check=False,
         capture_output=True,
         text=True,
-        timeout=200,
+        timeout=timeout_s,
         cwd=REPO,
         env={**os.environ, "FLODL_NET_TIMEOUT_SCALE": "0.2"},  # heartbeat timeout 6 s
     )

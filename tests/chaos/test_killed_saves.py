@@ -9,22 +9,18 @@ together, and a run resumed from it must finish every epoch with nothing left un
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
-from test_chaos_suite import SCRIPT, done_line, processes_with
+from test_chaos_suite import done_line, processes_with, run_script
 
 from flodl import checkpoint
 from flodl.chaos import ChaosPlan, Fault
 
 pytestmark = [pytest.mark.integration]
 
-REPO = Path(__file__).resolve().parents[2]
 EPOCHS = 4
 WRITER = 1  # the checkpoint role is pinned to rank 1 (--policy 1)
 ARMED_AT = 25
@@ -39,17 +35,7 @@ CASES = [
 
 
 def run(tmp: Path, name: str, *args: str) -> subprocess.CompletedProcess[str]:
-    tag = f"flodl-saves-{uuid.uuid4().hex}"
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tag", tag, "--log-dir", str(tmp / name), *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=REPO,
-        env={**os.environ, "FLODL_NET_TIMEOUT_SCALE": "0.2"},  # heartbeat timeout 6 s
-    )
-    (tmp / f"{name}.stderr").write_text(out.stderr)
+    out, tag = run_script(tmp, name, list(args), timeout_s=240)
     deadline = time.monotonic() + 60  # ranks that lost their coordinator exit on their own
     while processes_with(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
