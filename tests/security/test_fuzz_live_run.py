@@ -67,8 +67,9 @@ JOB = {"world_size": 2, "dataset_len": 8192, "batch_size": 32, "epochs": 4, "mod
 PACE_S = 0.3
 """Seconds each optimizer step sleeps while the attack lasts (the run must outlive it)."""
 TARGET_INPUTS = 100_000
-ATTACK_LIMIT_S = 120.0
-"""Give up sending (and fail on the count) after this long."""
+ATTACK_LIMIT_S = 480.0
+"""A hang guard, not a speed bound: give up sending (and fail on the count) after this long.
+The attack takes 20–100 s here; the run paces its steps while it lasts, so it never ends first."""
 IDLE_CONTROL = 2000
 IDLE_DASHBOARD = 150
 IDLE_DATA = 4
@@ -751,7 +752,7 @@ def _assert_same_run(summary: dict[str, Any], reference: dict[str, Any]) -> None
     assert samples == [JOB["dataset_len"]] * JOB["epochs"]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(720)
 async def test_hostile_inputs_on_every_port_change_nothing(tmp_path: Path) -> None:
     _raise_fd_limit(IDLE_CONTROL + IDLE_DASHBOARD + IDLE_DATA + 2048)
     loop = asyncio.get_running_loop()
