@@ -25,7 +25,10 @@ Faults (``kind``):
   state, and the model file when it is the writer) and before it reports it;
 * ``kill_coordinator_in_save``: when the rank is the writer of the next bundle, it SIGKILLs its
   parent (the launcher, which runs the coordinator) after the model file is on disk and before
-  the meta can commit it; the ranks then lose their coordinator.
+  the meta can commit it; the ranks then lose their coordinator;
+* ``kill_in_reform``: SIGKILL when the rank next starts forming a collective session after a
+  death (collective modes), before it reaches the session's barrier: the other survivors are
+  left gathering for a member that will never come.
 
 Each fault is recorded when it fires (``kind: "event"``, class ``chaos``, at node
 ``root/chaos`` of the record log, wall-clock ``ts``) so :func:`recovery_table` can join it with
@@ -77,6 +80,7 @@ FaultKind = Literal[
     "kill_in_checkpoint",
     "kill_after_save",
     "kill_coordinator_in_save",
+    "kill_in_reform",
 ]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 SIGNAL_KINDS = {"KILL": "kill", "STOP": "stop", "CONT": "stop"}
@@ -262,6 +266,12 @@ class RankChaos:
             self._record("kill_coordinator_in_save", None)
             os.kill(os.getppid(), signal.SIGKILL)
 
+    def in_reform(self) -> None:
+        """Before this rank arrives at a new collective session's barrier."""
+        if self._armed.pop("kill_in_reform", None) is not None:
+            self._record("kill_in_reform", None)
+            os.kill(os.getpid(), signal.SIGKILL)
+
     # ------------------------------------------------------------------ faults
     def _fire(self, fault: Fault, step: int) -> None:
         kind = fault.kind
@@ -311,6 +321,7 @@ _AT_A_HOOK = frozenset(
         "kill_in_checkpoint",
         "kill_after_save",
         "kill_coordinator_in_save",
+        "kill_in_reform",
     }
 )
 """Faults armed at their trigger and fired at the runtime hook they name."""

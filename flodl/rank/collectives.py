@@ -34,6 +34,7 @@ import functools
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -46,6 +47,9 @@ from torch import Tensor
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from flodl.errors import CollectiveFailed, FlodlError, LocalProtocolError
+
+_GATHER_POLL_S = 0.05
+"""How often a member waiting for the others at a session's barrier looks again."""
 
 __all__ = ["Collective", "divergence"]
 
@@ -136,18 +140,27 @@ class Collective:
         self._require_formed()
         return self._world_size
 
-    def form(self, prefix: str, rank: int, world_size: int) -> None:
+    def form(
+        self,
+        prefix: str,
+        rank: int,
+        world_size: int,
+        superseded: Callable[[], bool] | None = None,
+    ) -> None:
         """(Re)create the process group for one session, destroying the previous one first.
 
         Every member calls this with the same ``prefix`` and ``world_size`` and a distinct
         ``rank``; it returns once all of them joined. A prefix must never be reused for a second
         session (its keys are still in the store). ``world_size == 1`` forms nothing: every
-        collective is then a local no-op.
+        collective is then a local no-op. While the members gather, ``superseded()`` is asked
+        every 50 ms: once it says a newer session was announced (a member died meanwhile, so
+        this one can never gather), forming gives up at once instead of at the deadline.
 
         Raises:
             ValueError: empty prefix, ``world_size < 1``, or ``rank`` outside ``0..world_size-1``.
-            CollectiveFailed: the store was unreachable, or not every member joined within
-                ``timeout_s``. No session is formed then; wait for the next ``NewSession``.
+            CollectiveFailed: the store was unreachable, not every member joined within twice
+                ``timeout_s``, or a newer session superseded this one. No session is formed
+                then; wait for the next ``NewSession``.
             FlodlError: a default process group that flodl did not create already exists.
         """
         if not prefix:
@@ -167,7 +180,7 @@ class Collective:
                     " create; flodl's collective backend needs the process to itself"
                 )
             store = PrefixStore(prefix, self._client())
-            self._await_members(store, prefix, rank, world_size)
+            self._await_members(store, prefix, rank, world_size, superseded)
             device_id: torch.device | None = None
             if self.backend == "nccl":
                 os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
@@ -325,25 +338,47 @@ class Collective:
         if not self._formed:
             raise LocalProtocolError("no collective session: call form() first")
 
-    def _await_members(self, store: Any, prefix: str, rank: int, world_size: int) -> None:
+    def _await_members(
+        self,
+        store: Any,
+        prefix: str,
+        rank: int,
+        world_size: int,
+        superseded: Callable[[], bool] | None,
+    ) -> None:
         """A store barrier before the backend's own rendezvous: every member arrives within
         twice the collective timeout. After a death, survivors learn of the failed collective
         at different moments (a reset at once, a timeout up to ``timeout_s`` later), so the
         backend's mesh, which allows only ``timeout_s``, would otherwise fail for the early ones.
+        The barrier polls (``store.check``) so that a newer session can interrupt it: a member
+        that dies while the others gather would otherwise cost every survivor the whole wait,
+        and then the run (found by the chaos suite: a second kill during a re-form).
 
         Raises:
-            CollectiveFailed: not every member arrived in time, or the store is unreachable.
+            CollectiveFailed: not every member arrived in time, a newer session superseded
+                this one, or the store is unreachable.
         """
+        keys = [f"flodl_member/{r}" for r in range(world_size)]
+        limit_s = 2 * self._timeout.total_seconds()
+        deadline = time.monotonic() + limit_s
         try:
-            store.set(f"flodl_member/{rank}", "1")
-            store.wait(
-                [f"flodl_member/{r}" for r in range(world_size)],
-                self._timeout * 2,
-            )
-        except RuntimeError as exc:  # DistStoreError: timeout or store gone
+            store.set(keys[rank], "1")
+            while not store.check(keys):
+                if superseded is not None and superseded():
+                    raise CollectiveFailed(
+                        f"forming session {prefix!r} as rank {rank}/{world_size}: a newer "
+                        "session was announced before every member arrived"
+                    )
+                if time.monotonic() >= deadline:
+                    raise CollectiveFailed(
+                        f"forming session {prefix!r} as rank {rank}/{world_size}: not every "
+                        f"member arrived within {limit_s:g} s"
+                    )
+                time.sleep(_GATHER_POLL_S)
+        except RuntimeError as exc:  # DistStoreError: the store is gone
             raise CollectiveFailed(
-                f"forming session {prefix!r} as rank {rank}/{world_size}: not every member "
-                f"arrived within {2 * self._timeout.total_seconds():g} s ({exc})"
+                f"forming session {prefix!r} as rank {rank}/{world_size}: the store is "
+                f"unreachable ({exc})"
             ) from exc
 
     def _client(self) -> TCPStore:

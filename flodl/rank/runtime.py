@@ -76,6 +76,7 @@ from flodl.wire.frames import (
     EvalResult,
     Exiting,
     Hello,
+    NewSession,
     SaveConsensusModel,
 )
 
@@ -361,12 +362,35 @@ class RankLoop:
                 case RunEpochFn(epoch=epoch):
                     self._run_epoch_fn(epoch)
                 case Reform(store_prefix=prefix, new_rank=nr, new_world_size=nw):
-                    if self.collective is not None:
-                        self.collective.form(prefix, nr, nw)
+                    self._reform(prefix, nr, nw)
                 case PeerDead(rank=r, reason=why):
                     logger.info("rank %d: peer %d declared dead (%s)", self.spec.rank, r, why)
                 case Stop(save_reason=reason, detail=detail):
                     raise RunStopped(reason, detail)
+
+    def _reform(self, prefix: str, rank: int, world_size: int) -> None:
+        """Form the announced session; if it cannot gather (a member died meanwhile), hold
+        everything but the next ``new_session``, which the coordinator sends for that death."""
+        if self.collective is None:
+            return
+        if self.chaos is not None:
+            self.chaos.in_reform()
+        try:
+            self.collective.form(prefix, rank, world_size, superseded=self._newer_session)
+        except CollectiveFailed as exc:
+            logger.warning("rank %d: %s; waiting for the next session", self.spec.rank, exc)
+            self.protocol.collective_failed()
+
+    def _newer_session(self) -> bool:
+        """Whether a ``new_session`` after the one being formed has arrived (frames the bridge
+        received meanwhile move, in order, to the deferred queue)."""
+        assert self.bridge is not None
+        deferred = self.protocol.deferred
+        while (frame := self.bridge.poll()) is not None:
+            deferred.append(frame)
+        return any(
+            isinstance(f, NewSession) and f.session > self.protocol.session for f in deferred
+        )
 
     def _send(self, frame: Any) -> None:
         assert self.bridge is not None

@@ -177,3 +177,33 @@ def test_zz_the_suite_ran_at_least_100_fault_scenarios() -> None:
     summary = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
     print(f"\nchaos suite: {len(FIRED)} fault scenarios fired ({summary})")
     assert len(FIRED) >= 100 or RUNS < 5
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["nccl_cadence", "nccl_sync"])
+def test_a_death_while_the_survivors_reform_costs_only_that_rank(mode: str, tmp_path: Path) -> None:
+    """Rank 1 dies; rank 3 dies as the survivors form the session without rank 1, before it
+    reaches the session's barrier. Ranks 0 and 2 must not wait for it at that barrier until
+    they fail too (the session is superseded by the one the coordinator announces for rank 3's
+    death): the run completes on two ranks, with only ranks 1 and 3 evicted."""
+    records = tmp_path / "records"
+    plan = ChaosPlan((Fault("kill", 1, step=30), Fault("kill_in_reform", 3, step=1)), seed=0)
+    args = [
+        *("--ranks", str(WORLD), "--mode", mode, "--samples", "2048", "--epochs", "3"),
+        *("--records", str(records), "--chaos", plan.to_env()),
+    ]
+    out, tag = run_script(tmp_path, "run", args)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = done_line(out.stdout)
+    assert result["save_reason"] is None
+    tree = read_tree(records)
+    events = [(p, r) for p, recs in tree.items() for r in recs if r["kind"] == "event"]
+    fired = sorted(r["data"]["fault"] for p, r in events if p == "root/chaos")
+    lost = {int(p.rsplit("rank", 1)[1]) for p, r in events if r["data"]["class"] == "rank_lost"}
+    assert fired == ["kill", "kill_in_reform"]
+    assert lost == {1, 3}
+    assert not [r for _, r in events if r["data"]["class"] == "coverage"], "coverage broken"
+    deadline = time.monotonic() + 15
+    while processes_with(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_with(tag) == []

@@ -407,6 +407,28 @@ def test_silent_peer_and_missing_member_fail_after_the_timeout(store: StoreHost)
         cohort.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_superseded_session_stops_gathering_when_told(store: StoreHost) -> None:
+    """A member that died before the barrier never arrives; once a newer session is announced
+    (``superseded()`` says so), the waiting member gives up at once, naming why, instead of
+    at twice the collective timeout (60 s here)."""
+    collective = Collective("127.0.0.1", store.port, device=torch.device("cpu"), timeout_s=30.0)
+    asked: list[int] = []
+
+    def superseded() -> bool:
+        asked.append(1)
+        return len(asked) >= 3  # the newer session arrives while it gathers
+
+    try:
+        with pytest.raises(CollectiveFailed, match="a newer session was announced"):
+            collective.form("gone/s1", 0, 2, superseded=superseded)
+        assert len(asked) == 3
+        with pytest.raises(LocalProtocolError):
+            _ = collective.rank  # no session was formed
+    finally:
+        collective.destroy()
+
+
 # ---------------------------------------------------------------------- divergence
 @pytest.mark.timeout(120)
 def test_divergence_on_known_tensors() -> None:
