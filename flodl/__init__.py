@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import TYPE_CHECKING
 
 # torch's CPU wheel warns at import time when numpy is absent; flodl never needs numpy.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
@@ -22,6 +23,27 @@ from flodl.errors import (  # noqa: E402
 )
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what ``__getattr__`` below loads lazily, as type checkers should see it
+    from flodl.config import (
+        CoordConfig,
+        ElCheConfig,
+        EpochCallbackPolicy,
+        MaxFailure,
+        Reduction,
+    )
+    from flodl.data import BatchDataset, MapDataset, TensorBatchDataset
+    from flodl.outer import NesterovMomentum, OuterAvg, OuterConfig, SlowMomentum
+    from flodl.rank.snapshot import TrainedState
+    from flodl.trainer import (
+        Trainer,
+        TrainerBuilder,
+        TrainerConfig,
+        TrainerHandle,
+        record_scalar,
+    )
+    from flodl.wire.frames import EpochMetrics
+    from flodl.worker import Worker
 
 
 __all__ = [

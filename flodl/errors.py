@@ -9,6 +9,11 @@ reason. Every error type of the package is defined here.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flodl.rank.snapshot import TrainedState
+
 __all__ = [
     "FlodlError",
     "ProtocolError",
@@ -126,7 +131,7 @@ class TrainingStopped(FlodlError):
         bundle: str | None = None,
         resume_epoch: int | None = None,
         uncovered_samples: int | None = None,
-        state: object = None,
+        state: TrainedState | None = None,
     ) -> None:
         super().__init__(message)
         self.save_reason = save_reason

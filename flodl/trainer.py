@@ -48,7 +48,7 @@ Fn = Callable[..., Any]
 class TrainerBuilder:
     """Chained setters over :class:`TrainerConfig`; ``run()`` validates and starts."""
 
-    def __init__(self, model_factory: Fn, optim_factory: Fn, train_step: Fn) -> None:
+    def __init__(self, model_factory: Fn, optim_factory: Fn, train_step: Fn | None) -> None:
         self._factories = (model_factory, optim_factory, train_step)
         self._values: dict[str, Any] = {}
 
@@ -179,7 +179,11 @@ class TrainerBuilder:
         return validated(TrainerConfig, **self._values)
 
     def run(self) -> TrainerHandle:
-        return Trainer.run(*self._factories, self.config())
+        model_factory, optim_factory, train_step = self._factories
+        config = self.config()
+        _check_factories(model_factory, optim_factory, train_step, config)  # refuses None
+        assert train_step is not None
+        return Trainer.run(model_factory, optim_factory, train_step, config)
 
     def into_worker(self) -> Worker:
         """The cooperative tier: a :class:`~flodl.worker.Worker` whose loop you own."""
@@ -190,7 +194,9 @@ class Trainer:
     """Namespace for the two entry forms."""
 
     @staticmethod
-    def builder(model_factory: Fn, optim_factory: Fn, train_step: Fn) -> TrainerBuilder:
+    def builder(model_factory: Fn, optim_factory: Fn, train_step: Fn | None) -> TrainerBuilder:
+        """``train_step`` may be ``None`` only for ``into_worker()`` (your loop computes the
+        loss); ``run()`` refuses it."""
         return TrainerBuilder(model_factory, optim_factory, train_step)
 
     @staticmethod
@@ -240,7 +246,7 @@ class Trainer:
 
 
 def _check_factories(
-    model_factory: Fn, optim_factory: Fn, train_step: Fn, config: TrainerConfig
+    model_factory: Fn, optim_factory: Fn, train_step: Fn | None, config: TrainerConfig
 ) -> None:
     if not isinstance(config, TrainerConfig):
         raise ConfigError("Trainer.run needs a TrainerConfig as its 4th argument")

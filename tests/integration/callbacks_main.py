@@ -15,7 +15,6 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +22,14 @@ import torch.nn.functional as F
 from flodl import (
     ElCheConfig,
     EpochCallbackPolicy,
+    EpochMetrics,
     MaxFailure,
     NesterovMomentum,
     OuterAvg,
     Reduction,
     SlowMomentum,
     TensorBatchDataset,
+    TrainedState,
     Trainer,
     TrainingStopped,
     record_scalar,
@@ -108,7 +109,7 @@ def main() -> None:
             record_scalar("rows", float(batch[0].shape[0]))
         return F.cross_entropy(model(batch[0]), batch[1])
 
-    def eval_fn(model: torch.nn.Module, ds: Any) -> float:
+    def eval_fn(model: torch.nn.Module, ds: tuple[torch.Tensor, torch.Tensor]) -> float:
         with torch.no_grad():
             return float((model(ds[0]).argmax(1) == ds[1]).float().mean())
 
@@ -122,7 +123,7 @@ def main() -> None:
             raise OSError("injected: checkpoint storage unavailable on this rank")
         note(f"CKPT rank={me} epoch={epoch} ok")
 
-    def metrics(m: Any) -> None:
+    def metrics(m: EpochMetrics) -> None:
         print("METRICS " + m.model_dump_json(), flush=True)
 
     b = (
@@ -185,6 +186,7 @@ def main() -> None:
     if args.chaos:
         b = b.chaos(ChaosPlan.from_env(args.chaos))
 
+    state: TrainedState | None
     try:
         if args.worker:
             worker = b.into_worker()

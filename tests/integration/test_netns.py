@@ -113,7 +113,8 @@ def test_ranks_in_two_namespaces_train_across_a_veth_link(
         b = torch.load(tmp_path / "rank1.pt", weights_only=True)["params"]
         assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a, b, strict=True))
     finally:
-        for p in [*ranks, coord]:
+        procs: list[subprocess.Popen[bytes] | subprocess.Popen[str]] = [*ranks, coord]
+        for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()

@@ -20,7 +20,15 @@ import pytest
 import torch
 
 from flodl.config import CoordConfig, ElCheConfig, validated
-from flodl.coord.effects import Alert, EpochDone, EvalDone, Record, RunOver, WriteMeta
+from flodl.coord.effects import (
+    Alert,
+    BundleRequested,
+    EpochDone,
+    EvalDone,
+    Record,
+    RunOver,
+    WriteMeta,
+)
 from flodl.service.coordinator import CoordinatorService
 from flodl.timeouts import Timeouts
 from flodl.wire.frames import EpochMetrics
@@ -41,6 +49,9 @@ class Sink:
 
     def write_meta(self, effect: WriteMeta) -> None:
         self.metas.append(effect)
+
+    def bundle_requested(self, effect: BundleRequested) -> None:
+        return None
 
     def record(self, effect: Record) -> None:
         return None

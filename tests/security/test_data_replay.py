@@ -84,8 +84,10 @@ def params(seed: int) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def server(run_id: str, world_size: int) -> Iterator[tuple[ReduceServer, list[tuple]]]:
-    done: list[tuple] = []
+def server(
+    run_id: str, world_size: int
+) -> Iterator[tuple[ReduceServer, list[tuple[int, tuple[int, ...], float]]]]:
+    done: list[tuple[int, tuple[int, ...], float]] = []
     srv = ReduceServer(
         SECRET, run_id=run_id, world_size=world_size, on_done=lambda *a: done.append(a)
     )
@@ -96,7 +98,9 @@ def server(run_id: str, world_size: int) -> Iterator[tuple[ReduceServer, list[tu
         srv.close()
 
 
-def reduce_once(srv: ReduceServer, port: int, run_id: str, cycle: int, tensors: list) -> None:
+def reduce_once(
+    srv: ReduceServer, port: int, run_id: str, cycle: int, tensors: list[torch.Tensor]
+) -> None:
     client = ReduceClient("127.0.0.1", port, SECRET, 0, 1, run_id=run_id, timeout_s=WAIT_S)
     try:
         client.connect(10.0)

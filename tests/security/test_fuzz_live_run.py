@@ -47,7 +47,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypedDict
 
 import msgpack
 import pytest
@@ -63,7 +63,16 @@ HERE = Path(__file__).resolve().parent
 COORD_MAIN = HERE / "fuzz_coord_main.py"
 RANK_MAIN = HERE / "fuzz_rank_main.py"
 
-JOB = {"world_size": 2, "dataset_len": 8192, "batch_size": 32, "epochs": 4, "mode": "cpu_cadence"}
+
+class Job(TypedDict):
+    world_size: int
+    dataset_len: int
+    batch_size: int
+    epochs: int
+    mode: str
+
+
+JOB = Job(world_size=2, dataset_len=8192, batch_size=32, epochs=4, mode="cpu_cadence")
 PACE_S = 0.3
 """Seconds each optimizer step sleeps while the attack lasts (the run must outlive it)."""
 TARGET_INPUTS = 100_000
@@ -119,10 +128,11 @@ class LiveRun:
             f.write(self.secret.hex() + "\n")
         if self.paced:
             self.hold.touch()
+        ports_file = self.dir / "ports.json"
         job = {
             **JOB,
             "run_id": self.run_id,
-            "ports": str(self.dir / "ports.json"),
+            "ports": str(ports_file),
             "summary": str(self.dir / "summary.json"),
         }
         env = {
@@ -135,7 +145,6 @@ class LiveRun:
             self.coord = await asyncio.create_subprocess_exec(
                 sys.executable, str(COORD_MAIN), env=env, stdout=out, stderr=out
             )
-        ports_file = Path(job["ports"])
         await wait_until(lambda: ports_file.exists(), 60, "the coordinator's ports", self.coord)
         self.ports = _read_json(ports_file)
         for rank in range(JOB["world_size"]):
@@ -235,7 +244,7 @@ def _flip_last(data: bytes) -> bytes:
     return data[:-1] + bytes([data[-1] ^ 0x01])
 
 
-INVALID_BODIES: list[Any] = [
+INVALID_BODIES: list[object] = [
     {"kind": "hello"},
     {"kind": "hello", "protocol": 1, "run_id": "x", "rank": -1, "world_size": 2},
     {"kind": "hello", "protocol": 1, "run_id": "x" * 5000, "rank": 0, "world_size": 2},
@@ -253,7 +262,7 @@ INVALID_BODIES: list[Any] = [
     [1, 2, 3],
     "hello",
     None,
-    {"kind": "hello", "nested": functools.reduce(lambda acc, _: [acc], range(200), [])},
+    {"kind": "hello", "nested": functools.reduce(lambda acc, _: [acc], range(200), list[object]())},
 ]
 
 

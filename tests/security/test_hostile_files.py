@@ -146,7 +146,7 @@ class Evil:
 
 
 def _edit_meta(
-    edit: Callable[[dict[str, object]], None],
+    edit: Callable[[dict[str, object]], object],
 ) -> Callable[[Path, str, dict[str, str]], None]:
     def corrupt(meta: Path, stem: str, bundles: dict[str, str]) -> None:
         obj = json.loads(meta.read_text())
@@ -160,8 +160,13 @@ def _set(key: str, value: object) -> Callable[[dict[str, object]], None]:
     return lambda obj: obj.__setitem__(key, value)
 
 
+def _to_directory(meta: Path, stem: str, bundles: dict[str, str]) -> None:
+    meta.unlink()
+    meta.mkdir()
+
+
 # name -> (corruption(meta_path, stem, bundles), text expected in the error)
-MetaCase = Callable[[Path, str, dict[str, str]], None]
+MetaCase = Callable[[Path, str, dict[str, str]], object]
 META_CASES: dict[str, tuple[MetaCase, str]] = {
     "truncated": (lambda p, s, b: p.write_bytes(p.read_bytes()[:40]), "not JSON"),
     "empty": (lambda p, s, b: p.write_bytes(b""), "not JSON"),
@@ -176,10 +181,10 @@ META_CASES: dict[str, tuple[MetaCase, str]] = {
     "huge_epoch": (_edit_meta(_set("epoch", 10**30)), "epoch"),
     "other_world_size": (_edit_meta(_set("world_size_at_save", 7)), "world size"),
     "other_save": (_edit_meta(_set("global_step", 8)), "different saves"),
-    "is_a_directory": (lambda p, s, b: (p.unlink(), p.mkdir()), "meta.json"),
+    "is_a_directory": (_to_directory, "meta.json"),
     "missing": (lambda p, s, b: p.unlink(), "no checkpoint meta"),
 }
-FDL_CASES: dict[str, tuple[Callable[[Path, dict[str, str]], None], str]] = {
+FDL_CASES: dict[str, tuple[Callable[[Path, dict[str, str]], object], str]] = {
     "truncated": (lambda p, b: p.write_bytes(p.read_bytes()[:200]), "not a readable"),
     "random_bytes": (lambda p, b: p.write_bytes(os.urandom(4096)), "not a readable"),
     "json_text": (lambda p, b: p.write_text('{"params": []}'), "not a readable"),

@@ -582,7 +582,9 @@ async def test_a_replayed_sequence_number_closes_the_connection(
 
 
 def _first_len(data: bytes) -> int:
-    return HEADER_BYTES + struct.unpack("!I", data[:HEADER_BYTES])[0] + TAG_BYTES
+    (body_len,) = struct.unpack("!I", data[:HEADER_BYTES])
+    assert isinstance(body_len, int)
+    return HEADER_BYTES + body_len + TAG_BYTES
 
 
 # -------------------------------------------------------------------------------------------------

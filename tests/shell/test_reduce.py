@@ -99,7 +99,7 @@ def clients(
 class Worker(threading.Thread):
     """Runs ``fn`` on its own thread; ``result()`` joins and re-raises."""
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    def __init__(self, fn: Callable[..., Any]) -> None:  # `...`: mypy infers `lambda r=r:`
         super().__init__(daemon=True)
         self.fn = fn
         self.value: Any = None
@@ -770,9 +770,9 @@ def test_hello_layout_and_keys() -> None:
         (RUN, 3, nonce, nonce),
     ):
         h = encode_data_hello(SECRET, run, rank, 8, n1)
-        other = data_keys(SECRET, run, h, encode_data_ack(SECRET, run, h, n2))
-        assert other.upload != keys.upload
-        assert (other.consensus == keys.consensus) == (run == RUN and n2 == server_nonce)
+        other_keys = data_keys(SECRET, run, h, encode_data_ack(SECRET, run, h, n2))
+        assert other_keys.upload != keys.upload
+        assert (other_keys.consensus == keys.consensus) == (run == RUN and n2 == server_nonce)
     # fresh nonces by default: two hellos of one rank never agree the same keys
     assert encode_data_hello(SECRET, RUN, 3, 8) != encode_data_hello(SECRET, RUN, 3, 8)
 

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from flodl.config import MODES, CoordConfig, ElCheConfig, validated
-from flodl.coord.effects import RankDead, RunOver, Send
-from flodl.coord.inputs import ChildExited, PeerLost, ReduceDone
+from flodl.coord.effects import Effect, RankDead, RunOver, Send
+from flodl.coord.inputs import ChildExited, Input, PeerLost, ReduceDone
 from flodl.coord.liveness import RankState
 from flodl.coord.machine import Coordinator, RunPhase
 from flodl.wire.frames import (
@@ -25,6 +25,7 @@ from flodl.wire.frames import (
     Heartbeat,
     Hello,
     Metrics,
+    RankFrame,
     SnapshotReady,
     StartEpoch,
     SyncAck,
@@ -55,11 +56,11 @@ class CoordinatorMachine(RuleBasedStateMachine):
         for r in range(W):
             self._feed(Hello(run_id="run", rank=r, world_size=W, model_signature=SIG))
 
-    def _feed(self, event: object) -> None:
-        effects = self.coord.handle(event, self.now)  # type: ignore[arg-type]
+    def _feed(self, event: RankFrame | Input) -> None:
+        effects = self.coord.handle(event, self.now)
         self._observe(effects)
 
-    def _observe(self, effects: list[object]) -> None:
+    def _observe(self, effects: list[Effect]) -> None:
         for e in effects:
             if isinstance(e, Send) and isinstance(e.frame, StartEpoch):
                 self.given[e.rank].append(e.frame.plan.epoch)
@@ -126,7 +127,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         deadline = self.coord.next_deadline()
         assert deadline is not None
         self.now = max(self.now, min(deadline, self.now + extra))
-        self._observe(self.coord.tick(self.now))  # type: ignore[arg-type]
+        self._observe(self.coord.tick(self.now))
 
     @invariant()
     def ledgers_exact(self) -> None:
@@ -156,7 +157,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             return
         assert math.isfinite(d)
         if d <= self.now:  # anything due fires at once and is not re-armed at the same instant
-            self._observe(self.coord.tick(self.now))  # type: ignore[arg-type]
+            self._observe(self.coord.tick(self.now))
             again = self.coord.next_deadline()
             assert again is None or again > self.now
 

@@ -193,7 +193,8 @@ def impure_closure(
     graph: Mapping[str, set[str]], external: Mapping[str, set[str]], module: str
 ) -> dict[str, str]:
     """Forbidden roots reachable from ``module``, each with the module that imports it."""
-    seen, todo, found = {module}, [module], {}
+    seen, todo = {module}, [module]
+    found: dict[str, str] = {}
     while todo:
         current = todo.pop()
         for root in sorted(external.get(current, set()) & FORBIDDEN):
@@ -262,6 +263,7 @@ def mode_comparisons(source: str) -> list[str]:
         context = " ".join(ast.unparse(o) for o in others)
         if set(consts) == {"cpu"} and others and not _MODE_CONTEXT.search(context):
             continue  # a device
+        assert isinstance(node, ast.expr | ast.pattern)  # Compare, Call or MatchValue
         found.append(f"line {node.lineno}: {ast.get_source_segment(source, node)}")
     return found
 

@@ -8,7 +8,7 @@ import os
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import pytest
 import torch
@@ -279,7 +279,14 @@ def test_failure_while_serializing_removes_the_tmp(
 # S.fdl
 # =============================================================================================
 
-STEPS: dict[str, int] = {"global_step": 120, "sync_round": 7, "epoch": 3}
+
+class Steps(TypedDict):
+    global_step: int
+    sync_round: int
+    epoch: int
+
+
+STEPS: Steps = {"global_step": 120, "sync_round": 7, "epoch": 3}
 
 
 def test_model_round_trip_is_bit_exact(tmp_path: Path) -> None:
@@ -499,7 +506,12 @@ def test_optim_saved_by_another_rank_is_refused(tmp_path: Path) -> None:
         load_optim(tmp_path / "run", 1)
 
 
-OPT_STEPS: dict[str, int] = {"global_step": 1, "sync_round": 1}
+class OptSteps(TypedDict):
+    global_step: int
+    sync_round: int
+
+
+OPT_STEPS: OptSteps = {"global_step": 1, "sync_round": 1}
 
 
 @pytest.mark.parametrize(

@@ -69,7 +69,9 @@ SIG = "a" * 64
 BS = 32
 
 
-def make_config(mode: str = "cpu_cadence", world_size: int = 2, dataset_len: int = 640, **kw: Any):
+def make_config(
+    mode: str = "cpu_cadence", world_size: int = 2, dataset_len: int = 640, **kw: Any
+) -> CoordConfig:
     return validated(
         CoordConfig,
         world_size=world_size,
@@ -114,7 +116,9 @@ class Cluster:
         self.trace: list[Any] = []  # inputs and effects, in order
         self.inbox: list[deque[Any]] = [deque() for _ in range(w)]
         self.work: list[deque[list[int]]] = [deque() for _ in range(w)]  # [epoch, left, done]
-        self.step, self.wanted, self.in_reduce = [0] * w, [None] * w, [None] * w
+        self.step = [0] * w
+        self.wanted: list[int | None] = [None] * w
+        self.in_reduce: list[int | None] = [None] * w
         self.waiting, self.session = [False] * w, [0] * w
         self.members = [tuple(range(w))] * w
         self.out: set[int] = set()  # dead or exited: acts no more
@@ -166,8 +170,8 @@ class Cluster:
             return False
         if self.inbox[r]:
             self._receive(r, self.inbox[r].popleft())
-        elif self.wanted[r] is not None:
-            self._enter_reduce(r, self.wanted[r])
+        elif (wanted := self.wanted[r]) is not None:
+            self._enter_reduce(r, wanted)
         elif self.waiting[r] or self.in_reduce[r] is not None:
             return False
         else:
@@ -195,8 +199,8 @@ class Cluster:
                 self.wanted[r] = c
             case NewSession(session=s, ranks=members):
                 self.session[r], self.members[r] = s, tuple(members)
-                if self.in_reduce[r] is not None:
-                    self._enter_collective(r, self.in_reduce[r])
+                if (cycle := self.in_reduce[r]) is not None:
+                    self._enter_collective(r, cycle)
             case SaveConsensusModel(target_rank=target, version=v):
                 self.feed(BundleSaved(rank=r, version=v, model=target == r))
             case Shutdown() | ShutdownWithSave():
@@ -866,7 +870,9 @@ def test_dead_rank_chunk_is_redispatched_to_a_survivor(mode: str) -> None:
     ]
     at = lost.start * BS
     regranted = [
-        r for r, p in plans if p.partition_offset <= at < p.partition_offset + p.partition_size
+        r
+        for r, p in plans
+        if p is not None and p.partition_offset <= at < p.partition_offset + p.partition_size
     ]
     assert regranted and set(regranted) <= {0, 2}
     coverage = c.coord.coverage(0)

@@ -58,7 +58,8 @@ def test_lr_cliff_fires_eff_half() -> None:
     assert actions == [None, NudgeDown(0.5)]  # flat anchor: trend 0, eff(0.5) = 0.5
     assert meta.last_causes == ("LR cliff 0.1 → 0.05",)
     assert meta.observe(0.05, 10, STABLE, Phase.WARMUP) is None  # one-shot per drop
-    assert meta.last_causes == ()
+    causes: tuple[str, ...] = meta.last_causes  # observe() reset it: mypy kept the narrowing
+    assert causes == ()
 
 
 def test_lr_rises_and_gentle_drops_are_ignored() -> None:
