@@ -186,7 +186,7 @@ def run_ddp(cfg: dict[str, Any], out_dir: Path, timeout_s: float = 600.0) -> dic
 
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    ctx = mp.start_processes(
+    ctx = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
         _ddp_worker,
         args=(cfg, free_port(), str(out_dir)),
         nprocs=int(cfg["world"]),

@@ -125,7 +125,7 @@ def _log(fd: int, **event: Any) -> None:
 def _replica(replica: int, cfg: dict[str, Any], lighthouse: str, out_dir: str) -> None:
     """One replica group of one process: LocalSGD over the demo task."""
     os.environ.setdefault("RUST_LOG", "error")
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
     from torchft.local_sgd import LocalSGD
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
@@ -189,7 +189,7 @@ def _replica(replica: int, cfg: dict[str, Any], lighthouse: str, out_dir: str) -
     spy = QuorumSpy(manager._client)
     manager._client = spy
 
-    class LoggedLocalSGD(LocalSGD):
+    class LoggedLocalSGD(LocalSGD):  # type: ignore[misc]
         """torchft's LocalSGD.sync, with the quorum and the commit time-stamped."""
 
         def sync(self) -> None:
@@ -239,7 +239,7 @@ def spawn_replicas(cfg: dict[str, Any], lighthouse: str, out_dir: Path) -> Any:
     import torch.multiprocessing as mp
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    return mp.start_processes(
+    return mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
         _replica,
         args=(cfg, lighthouse, str(out_dir)),
         nprocs=int(cfg["world"]),

@@ -144,7 +144,7 @@ def _ddp_rank(rank: int, world: int, port: int, samples: int, epochs: int, out: 
                 idx = perm[start : start + BATCH_SIZE]
                 optim.zero_grad(set_to_none=True)
                 loss = task.train_step(model, [x[idx], y[idx]])
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]
                 optim.step()
         dist.barrier()
         if rank == 0:
@@ -164,7 +164,9 @@ def one_ddp(samples: int, epochs: int) -> dict[str, Any]:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "ddp.json")
-        tmp.spawn(_ddp_rank, args=(2, port, samples, epochs, out), nprocs=2, join=True)
+        tmp.spawn(  # type: ignore[attr-defined,no-untyped-call]
+            _ddp_rank, args=(2, port, samples, epochs, out), nprocs=2, join=True
+        )
         result: dict[str, Any] = json.loads(Path(out).read_text())
     return result
 

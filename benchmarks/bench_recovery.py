@@ -314,7 +314,7 @@ def torchft_trial(args: argparse.Namespace, work: Path, cli: bool) -> dict[str, 
                     if not cs:
                         return None
                     firsts.append(min(cs))
-                return max(firsts)  # the reduce is complete once every survivor committed it
+                return float(max(firsts))  # the reduce is complete once every survivor committed it
 
             resume = _wait(resumed, 30.0, poll_s=0.05) if detect is not None else None
             result |= {
@@ -410,23 +410,23 @@ def main(argv: list[str] | None = None) -> int:
                     trials.append(r)
                     print(f"  flodl {path}: {_brief(r)}", flush=True)
         if "torchft" in args.system_list:
-            for variant in TORCHFT_VARIANTS:
+            for ft_variant in TORCHFT_VARIANTS:
                 if reason is not None:
                     trials.append(
                         {
                             "system": "torchft",
                             "path": "kill",
-                            "variant": variant,
+                            "variant": ft_variant,
                             "ok": False,
                             "error": reason,
                         }
                     )
-                    print(f"  torchft ({variant}): cannot run here: {reason}")
+                    print(f"  torchft ({ft_variant}): cannot run here: {reason}")
                     continue
                 for _ in range(max(1, min(args.trials, 2))):
-                    r = torchft_trial(args, work, cli=variant == "cli")
+                    r = torchft_trial(args, work, cli=ft_variant == "cli")
                     trials.append(r)
-                    print(f"  torchft ({variant}) kill: {_brief(r)}", flush=True)
+                    print(f"  torchft ({ft_variant}) kill: {_brief(r)}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

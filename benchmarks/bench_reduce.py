@@ -58,6 +58,7 @@ import sys
 import threading
 import time
 import warnings
+from types import ModuleType
 from typing import Any
 
 from _common import (
@@ -79,9 +80,16 @@ import flodl.service.reduce as reduce_server  # noqa: E402
 from flodl.rank import reduce_client  # noqa: E402
 from flodl.rank.reduce_client import ReduceClient  # noqa: E402
 from flodl.service.reduce import ReduceServer  # noqa: E402
-from flodl.wire.tensors import frame_tag  # noqa: E402
+from flodl.wire.tensors import INLINE_TAG_BYTES, frame_tag  # noqa: E402
 
-STREAM_TAGS = (reduce_server.INLINE_TAG_BYTES, reduce_client.INLINE_TAG_BYTES)
+STREAM_TAGS = (INLINE_TAG_BYTES, INLINE_TAG_BYTES)
+
+
+def _set_inline_tag_bytes(module: ModuleType, value: int) -> None:
+    """The ablation: patch the threshold the server's or the client's module reads per frame."""
+    module.__dict__["INLINE_TAG_BYTES"] = value
+
+
 NEVER = 1 << 62  # an inline-tag threshold no frame reaches: tag first, then send
 
 SECRET = b"bench-reduce-secret-0123456789ab"
@@ -120,7 +128,7 @@ def _cpu_rank(rank: int, world: int, jobs: Any, results: Any, barrier: Any) -> N
     torch.set_num_threads(_threads(world))
     while (job := jobs.get()) is not None:
         port, mib, bf16, reps, stream = job
-        reduce_client.INLINE_TAG_BYTES = STREAM_TAGS[1] if stream else NEVER
+        _set_inline_tag_bytes(reduce_client, STREAM_TAGS[1] if stream else NEVER)
         params, buffers = _model(mib, rank)
         client = ReduceClient("127.0.0.1", port, SECRET, rank, world, run_id=RUN_ID, bf16_wire=bf16)
         client.connect(30.0)
@@ -144,7 +152,7 @@ def _gloo_rank(rank: int, world: int, port: int, sizes: list[int], reps: int, re
     import torch.distributed as dist
 
     torch.set_num_threads(_threads(world))
-    store = dist.TCPStore(
+    store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120)
     )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -182,7 +190,7 @@ def measure_cpu(
     best: dict[tuple[int, bool, bool], tuple[float, float, float]] = {}
     try:
         for mib, bf16, stream in cases:
-            reduce_server.INLINE_TAG_BYTES = STREAM_TAGS[0] if stream else NEVER
+            _set_inline_tag_bytes(reduce_server, STREAM_TAGS[0] if stream else NEVER)
             done: queue.SimpleQueue[int] = queue.SimpleQueue()
             server = ReduceServer(
                 SECRET,
@@ -215,7 +223,7 @@ def measure_cpu(
                 best[(mib, bf16, stream)] = min(rounds)
             finally:
                 server.close()
-                reduce_server.INLINE_TAG_BYTES = STREAM_TAGS[0]
+                _set_inline_tag_bytes(reduce_server, STREAM_TAGS[0])
             print(
                 f"  world {world} {mib:4d} MiB {'bf16' if bf16 else 'f32 '}"
                 f"{'' if stream else ' tag-first'}: {best[(mib, bf16, stream)][0] * 1e3:8.1f} ms",
@@ -294,11 +302,12 @@ def measure_loop_lag(mib: int, reps: int) -> dict[str, Any]:
     server = ReduceServer(
         SECRET,
         world_size=2,
+        run_id=RUN_ID,
         on_done=functools.partial(_report_done, done),
         max_frame_bytes=2 * mib * MIB + MIB,
     )
     port = server.start()
-    clients = [ReduceClient("127.0.0.1", port, SECRET, r, 2) for r in range(2)]
+    clients = [ReduceClient("127.0.0.1", port, SECRET, r, 2, run_id=RUN_ID) for r in range(2)]
     lags: list[float] = []
     rounds_ms: list[float] = []
     try:

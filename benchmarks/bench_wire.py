@@ -37,24 +37,24 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` and `flodl` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import msgpack
 import pydantic
 import uvloop
-
-from benchmarks._common import (
+from _common import (
     RESULTS_DIR,
     best_of,
+    ensure_repo_on_path,
     machine_info,
     print_table,
     rate,
     write_json,
 )
-from flodl.wire.codec import AnyFrame, decode_frame, encode_frame
-from flodl.wire.frames import Batch, Heartbeat, Metrics
-from flodl.wire.stream import FrameReader, FrameWriter
+
+ensure_repo_on_path()
+
+from flodl.wire.codec import AnyFrame, decode_frame, encode_frame  # noqa: E402
+from flodl.wire.frames import Batch, Heartbeat, Metrics  # noqa: E402
+from flodl.wire.stream import FrameReader, FrameWriter  # noqa: E402
 
 SECRET = b"bench-wire-secret-0123456789abcdef"
 CODEC_TARGET = 0.3
