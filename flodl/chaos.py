@@ -28,7 +28,10 @@ Faults (``kind``):
   the meta can commit it; the ranks then lose their coordinator;
 * ``kill_in_reform``: SIGKILL when the rank next starts forming a collective session after a
   death (collective modes), before it reaches the session's barrier: the other survivors are
-  left gathering for a member that will never come.
+  left gathering for a member that will never come;
+* ``skew_final``: the rank's final parameters are delivered with ``1e-3`` added to the first
+  parameter, as a silent divergence (a flipped bit, a nondeterministic kernel) would leave
+  them: the launcher must refuse survivors that disagree.
 
 Each fault is recorded when it fires (``kind: "event"``, class ``chaos``, at node
 ``root/chaos`` of the record log, wall-clock ``ts``) so :func:`recovery_table` can join it with
@@ -49,9 +52,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from flodl.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CHAOS_ENV",
@@ -81,6 +87,7 @@ FaultKind = Literal[
     "kill_after_save",
     "kill_coordinator_in_save",
     "kill_in_reform",
+    "skew_final",
 ]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 SIGNAL_KINDS = {"KILL": "kill", "STOP": "stop", "CONT": "stop"}
@@ -272,6 +279,13 @@ class RankChaos:
             self._record("kill_in_reform", None)
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def final_params(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The final parameters this rank delivers (``skew_final``: the first one skewed)."""
+        if self._armed.pop("skew_final", None) is None or not params:
+            return params
+        self._record("skew_final", None)
+        return [params[0] + 1e-3, *params[1:]]
+
     # ------------------------------------------------------------------ faults
     def _fire(self, fault: Fault, step: int) -> None:
         kind = fault.kind
@@ -322,6 +336,7 @@ _AT_A_HOOK = frozenset(
         "kill_after_save",
         "kill_coordinator_in_save",
         "kill_in_reform",
+        "skew_final",
     }
 )
 """Faults armed at their trigger and fired at the runtime hook they name."""

@@ -632,6 +632,8 @@ class RankLoop:
         state.save_detail = detail
         if self.consensus is not None:  # EASGD: the run's result is the consensus
             state.params = [c.to("cpu", copy=True) for c in self.consensus]
+        if self.chaos is not None:
+            state.params = self.chaos.final_params(state.params)
         self._send(Exiting(rank=self.spec.rank))
         return state
 

@@ -207,3 +207,24 @@ def test_a_death_while_the_survivors_reform_costs_only_that_rank(mode: str, tmp_
     while processes_with(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_with(tag) == []
+
+
+@pytest.mark.timeout(300)
+def test_survivors_that_end_on_different_parameters_fail_the_run(tmp_path: Path) -> None:
+    """Rank 2 delivers its final parameters skewed (``skew_final``): the run completed, but its
+    survivors disagree, so ``join()`` raises, naming the parameter and the rank, and the job
+    exits non-zero instead of handing over one rank's parameters as the result."""
+    plan = ChaosPlan((Fault("skew_final", 2, step=1),), seed=0)
+    args = [
+        *("--ranks", str(WORLD), "--mode", "cpu_cadence", "--samples", "1024", "--epochs", "2"),
+        *("--chaos", plan.to_env()),
+    ]
+    out, tag = run_script(tmp_path, "run", args)
+    assert out.returncode != 0, out.stdout[-2000:]
+    assert "DONE " not in out.stdout
+    assert "the survivors of the run disagree: parameter 0" in out.stderr, out.stderr[-4000:]
+    assert "of rank 2 differs from rank 0's (max |difference| 0.001)" in out.stderr
+    deadline = time.monotonic() + 15
+    while processes_with(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_with(tag) == []
