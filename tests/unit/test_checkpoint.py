@@ -1031,6 +1031,27 @@ def test_a_save_is_the_resume_point_only_once_its_meta_commits(tmp_path: Path) -
     assert left == [f"run.{TAG_C}.fdl", f"run.{TAG_C}.rank0.optim", "run.meta.json"]
 
 
+def test_a_commit_killed_between_its_meta_and_its_clean_up_resumes_from_the_new_save(
+    tmp_path: Path,
+) -> None:
+    """The last write of a commit is the meta; the clean-up after it is best effort. Killed in
+    between, the older save's files are still there, but the meta names the new one, which is
+    what a resume reads; the next commit removes both older saves."""
+    stem = tmp_path / "run"
+    _save(stem, TAG_A, 100)
+    ck.commit_bundle(stem, meta_dict(global_step=100, bundle_tag=TAG_A))
+    _save(stem, TAG_B, 200)
+    ck.write_meta(stem, meta_dict(global_step=200, bundle_tag=TAG_B))  # then killed
+    assert (tmp_path / f"run.{TAG_A}.fdl").exists()
+    assert ck.read_meta(stem).bundle_tag == TAG_B
+    assert ck.load_model(stem).global_step == 200
+    assert ck.load_optim(stem, 0) is not None and ck.load_optim(stem, 0).global_step == 200  # type: ignore[union-attr]
+    _save(stem, TAG_C, 300)
+    ck.commit_bundle(stem, meta_dict(global_step=300, bundle_tag=TAG_C))
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [f"run.{TAG_C}.fdl", f"run.{TAG_C}.rank0.optim", "run.meta.json"]
+
+
 def test_commit_spares_saves_in_flight_and_removes_the_original_layout(tmp_path: Path) -> None:
     stem = tmp_path / "run"
     for name in ("run.fdl", "run.rank0.optim", "run.outer.fdl", f"run.{TAG_A}.fdl.tmp.123"):
