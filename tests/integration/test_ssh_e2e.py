@@ -298,11 +298,8 @@ def test_unreachable_host_is_ssh_status_255(sshd: Sshd) -> None:
     assert b"refused" in err.lower()
 
 
-@pytest.mark.timeout(150)
-def test_flodl_launch_runs_a_rank_over_ssh(sshd: Sshd, tmp_path: Path) -> None:
-    """Tier 3 end to end: one rank by local exec, one on an "other host" reached over ssh."""
-    repo = Path(__file__).resolve().parents[2]
-    script = repo / "tests" / "integration" / "trainer_main.py"
+def two_host_cluster(tmp_path: Path, sshd: Sshd, repo: Path) -> Path:
+    """A cluster file of this host (local exec) and an "other host" reached over ``sshd``."""
     options = ", ".join(
         f'"{o}"'
         for o in (
@@ -331,30 +328,110 @@ def test_flodl_launch_runs_a_rank_over_ssh(sshd: Sshd, tmp_path: Path) -> None:
         f"      ssh: {{target: 127.0.0.1, port: {sshd.port}, user: {sshd.user},\n"
         f"            identity_file: {sshd.client_key}, options: [{options}]}}\n"
     )
+    return yml
+
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "integration" / "trainer_main.py"
+LAUNCH = [sys.executable, "-m", "flodl", "launch", "--cluster"]
+TRAIN = [sys.executable, str(SCRIPT), "--tag"]
+KNOB = ["--heartbeat-timeout", "4"]
+
+
+@pytest.mark.timeout(150)
+def test_flodl_launch_runs_a_rank_over_ssh(sshd: Sshd, tmp_path: Path) -> None:
+    """Tier 3 end to end: one rank by local exec, one on an "other host" reached over ssh."""
+    yml = two_host_cluster(tmp_path, sshd, REPO)
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flodl",
-            "launch",
-            "--cluster",
-            str(yml),
-            "--",
-            sys.executable,
-            str(script),
-            "--tag",
-            "ssh-e2e",
-            "--ranks",
-            "1",
-            "--epochs",
-            "2",
-        ],
+        [*LAUNCH, str(yml), "--", *TRAIN, "ssh-e2e", "--ranks", "1", "--epochs", "2"],
         capture_output=True,
         text=True,
         timeout=140,
         check=False,
-        cwd=repo,
+        cwd=REPO,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "DONE params=4 world=2" in out.stdout
     assert "[rank 1] process rank=1" in out.stdout  # printed by the rank on the ssh "host"
+
+
+def children_of(pid: int) -> list[int]:
+    """The live direct children of ``pid`` (read from /proc)."""
+    found: list[int] = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and alive(int(entry)):
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_over_ssh_obeys_the_one_knob_of_its_coordinator(sshd: Sshd, tmp_path: Path) -> None:
+    """Tier 3: ``heartbeat_timeout(4)`` under ``FLODL_NET_TIMEOUT_SCALE=0.5`` in the launcher's
+    environment. The rank on the other host does not inherit that variable (ssh passes only
+    the run's own), so by its own settings it would wait 4 s for a silent coordinator; it obeys
+    the 2 s its coordinator sent in ``accept``. The launcher is frozen (its coordinator silent,
+    its connections open): both ranks are lost after 2 s and say so in their death records."""
+    from flodl import checkpoint
+
+    yml = two_host_cluster(tmp_path, sshd, REPO)
+    tag = f"ssh-knob-{os.getpid()}-{time.monotonic_ns()}"
+    launch = subprocess.Popen(
+        [*LAUNCH, str(yml), "--", *TRAIN, tag, "--ranks", "1", "--epochs", "500", *KNOB],
+        cwd=tmp_path,
+        env={**os.environ, "FLODL_NET_TIMEOUT_SCALE": "0.5", "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    launcher: int | None = None
+    try:
+        assert launch.stdout is not None
+        while "epoch 0 loss" not in (line := launch.stdout.readline()):  # the cohort trains
+            assert line, launch.stderr.read() if launch.stderr else ""
+        (launcher,) = children_of(launch.pid)  # the script: the launcher and its coordinator
+        frozen = {launch.pid, launcher}
+
+        def ranks_alive() -> list[int]:  # the local rank, the ssh client, the remote rank
+            return [p for p in tagged(tag) if p not in frozen]
+
+        assert ranks_alive()
+        os.kill(launcher, signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while ranks_alive():  # the frozen launcher cannot report their exit
+            assert time.monotonic() < deadline, ranks_alive()
+            time.sleep(0.2)
+        os.kill(launcher, signal.SIGCONT)
+        _, err = launch.communicate(timeout=60)
+    finally:
+        if launcher is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(launcher, signal.SIGCONT)
+        if launch.poll() is None:
+            launch.kill()
+            launch.communicate()
+    assert launch.returncode != 0
+    records = sorted(tmp_path.glob("flodl-runs/*/run.rank*.death.json"))
+    assert [r.name for r in records] == ["run.rank0.death.json", "run.rank1.death.json"]
+    for rank, record in enumerate(records):
+        error = checkpoint.read_death_record(str(record.parent / "run"), rank).error
+        assert "liveness timeout 2 s" in error, (rank, error)
+    assert "liveness timeout 2 s" in err, err[-3000:]
+
+
+def tagged(tag: str) -> list[int]:
+    """The live processes whose command line holds ``tag``."""
+    found: list[int] = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                line = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if tag.encode() in line and alive(int(entry)):
+                found.append(int(entry))
+    return found
