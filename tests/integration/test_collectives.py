@@ -7,7 +7,6 @@ process. Values are chosen so the weighted means are exact in float32.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import multiprocessing as mp
 import os
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
+from worker_pipes import close_workers
 
 from flodl.errors import CollectiveFailed, LocalProtocolError
 from flodl.rank.collectives import Collective, divergence
@@ -219,19 +219,7 @@ class Cohort:
             assert not answer["failed"], answer
 
     def close(self) -> None:
-        for proc, conn in zip(self.procs, self.conns, strict=True):
-            if proc.is_alive():
-                with contextlib.suppress(OSError):
-                    conn.send(None)
-        deadline = time.monotonic() + 5.0
-        for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5.0)
-        for conn in self.conns:
-            conn.close()
+        close_workers(self.procs, self.conns, grace_s=5.0)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import threading
-import time
 import traceback
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from worker_pipes import close_workers
 
 from flodl.outer import NesterovMomentum, OuterConfig, OuterStep, SlowMomentum
 from flodl.rank.collectives import Collective
@@ -135,19 +135,7 @@ class Pair:
         return answers
 
     def close(self) -> None:
-        for proc, conn in zip(self.procs, self.conns, strict=True):
-            if proc.is_alive():
-                with contextlib.suppress(OSError):
-                    conn.send(None)
-        deadline = time.monotonic() + 10.0
-        for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5.0)
-        for conn in self.conns:
-            conn.close()
+        close_workers(self.procs, self.conns, grace_s=10.0)
 
 
 @pytest.fixture(scope="module")
