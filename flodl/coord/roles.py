@@ -5,8 +5,9 @@ Pure module. Rules (docs/design.md §2, §6 "Callbacks"):
 * ``Fastest`` (default): before the first calibration every role is the lowest live rank; at
   the first calibration the live rank with the lowest smoothed ms/batch is elected (ties → lowest
   rank) and the election is **sticky**: it changes only when the role rank dies.
-* ``Rank(n)``: pinned. Only the checkpoint role fails over (to the lowest live rank) when ``n``
-  is dead; epoch_fn and eval stay on ``n`` (and do not run while it is dead).
+* ``Rank(n)``: pinned. When ``n`` dies, every role it held moves to the lowest live rank (and
+  stays there: a dead rank never comes back). Deviation: the original moved only the
+  checkpoint role, so ``epoch_fn`` and eval silently stopped for the rest of the run.
 * A failed checkpoint is retried on the next live rank that has not tried this version yet
   (lowest index first, as the original's code does); exhausted ⇒ give up, with a reason.
 * Callback costs are tracked per (kind, rank) with an EWMA (α = 0.3, first sample raw).
@@ -73,17 +74,16 @@ class Roles:
         """Fail roles over from ``dead``; returns the reason ("" when no role moved)."""
         if not alive:
             return ""
-        if isinstance(self.policy, int):
-            if self.checkpoint_role == dead:
-                self.checkpoint_role = min(alive)
-                self.dirty = True
-                return (
-                    f"checkpoint role moved from dead pinned rank {dead} to lowest live rank "
-                    f"{self.checkpoint_role}"
-                )
-            return ""
         if dead not in (self.epoch_callback_role, self.eval_role, self.checkpoint_role):
             return ""
+        if isinstance(self.policy, int):
+            heir = min(alive)
+            self.epoch_callback_role, self.eval_role, self.checkpoint_role = (
+                heir if role == dead else role
+                for role in (self.epoch_callback_role, self.eval_role, self.checkpoint_role)
+            )
+            self.dirty = True
+            return f"callback roles moved from dead pinned rank {dead} to lowest live rank {heir}"
         rank, why = elect_fastest(alive, smoothed_ms)
         self._set_all(rank)
         return f"role rank {dead} died; re-elected {why}"

@@ -79,7 +79,7 @@ def test_callbacks_fire_on_their_roles_and_a_failing_checkpoint_fails_over(
         assert all(ok == "fail" for r, ok in this[:-1])
     # the 2-second epoch_fn is not counted as the role rank being slow: its smoothed ms/batch
     # stays in line with the others' (equal ranks; counted, it would be ~100× theirs). Its
-    # batch share may dip before an epoch end: that is the callback slack, by design.
+    # batch share may dip after an epoch end: that is the callback slack, by design.
     role = fns[-1][0]
     meta = checkpoint.read_meta(tmp_path / "ck", world_size=3)
     assert meta.elche_state is not None
@@ -124,6 +124,33 @@ def test_killing_the_role_rank_moves_every_role_to_a_survivor(tmp_path: Path) ->
     ckpts = [(r, e) for r, e, ok in callback_lines(logs, "CKPT") if ok == "ok"]
     assert sorted({e for _, e in ckpts}) == [0, 1, 2, 3]
     assert all(r != 0 for r, e in ckpts if e >= 2)
+    assert [e for e, _ in evals(out.stdout)] == [0, 1, 2, 4]
+
+
+@pytest.mark.timeout(180)
+def test_killing_a_pinned_role_rank_moves_every_role_to_the_lowest_survivor(
+    tmp_path: Path,
+) -> None:
+    """``EpochCallbackPolicy.Rank(2)``: rank 2 runs every callback until it fails in epoch 1;
+    then ``epoch_fn``, eval and ``checkpoint_fn`` all go on, on rank 0 (the lowest survivor),
+    to the end of the run (they used to stop for good, but for the checkpoint)."""
+    out = run(
+        tmp_path,
+        "a",
+        *("--ranks", "3", "--epochs", "4", "--samples", "2048", "--policy", "2"),
+        *("--eval", "--ckpt-fn", "--checkpoint-every", "1", "--epoch-fn-sleep", "0"),
+        *("--crash-rank", "2", "--crash-step", "30"),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert done(out.stdout)["save_reason"] is None
+    logs = tmp_path / "a"
+    fns = callback_lines(logs, "EPOCHFN")
+    assert [e for _, e, _ in fns] == [0, 1, 2, 3]
+    assert fns[0][0] == 2  # the pinned rank, while it lives
+    assert all(r == 0 for r, e, _ in fns if e >= 2)
+    ckpts = [(r, e) for r, e, ok in callback_lines(logs, "CKPT") if ok == "ok"]
+    assert sorted({e for _, e in ckpts}) == [0, 1, 2, 3]
+    assert all(r == 0 for r, e in ckpts if e >= 2)
     assert [e for e, _ in evals(out.stdout)] == [0, 1, 2, 4]
 
 

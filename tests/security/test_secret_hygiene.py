@@ -517,7 +517,8 @@ async def test_a_real_hello_recorded_from_one_run_is_refused_by_another(
     strict=True,
     reason="GAP: two runs that share the secret and the run id (two `flodl coord` runs on one "
     "--secret-file given the same --run-id; the default run id is now random) accept each "
-    "other's recorded frames: the handshake has no per-run or per-connection nonce",
+    "other's recorded control frames: the control handshake has no server challenge (the data "
+    "plane's has nonces both ways)",
 )
 async def test_a_recorded_hello_is_refused_by_a_later_run_with_the_same_secret_and_run_id() -> None:
     secret = os.urandom(32)

@@ -117,14 +117,15 @@ def test_pinned_rank_holds_all_roles_and_ignores_calibration() -> None:
     assert roles_of(roles) == (2, 2, 2)
 
 
-def test_pinned_rank_death_fails_over_only_the_checkpoint_role() -> None:
+def test_pinned_rank_death_moves_every_role_to_the_lowest_live_rank() -> None:
     roles = Roles(2)
     roles.dirty = False
     why = roles.on_death(2, [0, 1], [9.0, 1.0, 5.0])
-    assert roles.checkpoint_role == 0  # lowest live, not the fastest
-    assert roles.epoch_callback_role == 2 and roles.eval_role == 2
+    assert roles_of(roles) == (0, 0, 0)  # lowest live, not the fastest: eval goes on
     assert roles.dirty
-    assert "dead pinned rank 2" in why and "0" in why
+    assert why == "callback roles moved from dead pinned rank 2 to lowest live rank 0"
+    assert roles.on_death(1, [0], [9.0, 1.0, 5.0]) == ""  # the heir holds them now
+    assert roles.on_death(0, [1], [9.0, 1.0, 5.0]) != "" and roles_of(roles) == (1, 1, 1)
 
 
 def test_pinned_rank_ignores_other_deaths() -> None:
