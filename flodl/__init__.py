@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # what ``__getattr__`` below loads lazily, as type checkers s
         Reduction,
     )
     from flodl.data import BatchDataset, MapDataset, TensorBatchDataset
+    from flodl.launch.builder import ClusterBuilder
     from flodl.outer import NesterovMomentum, OuterAvg, OuterConfig, SlowMomentum
     from flodl.rank.snapshot import TrainedState
     from flodl.trainer import (
@@ -53,6 +54,7 @@ __all__ = [
     "TrainerConfig",
     "TrainerHandle",
     "TrainedState",
+    "ClusterBuilder",
     "ElCheConfig",
     "CoordConfig",
     "MaxFailure",
@@ -91,6 +93,7 @@ _LAZY = {
     "TrainerHandle": "flodl.trainer",
     "record_scalar": "flodl.trainer",
     "TrainedState": "flodl.rank.snapshot",
+    "ClusterBuilder": "flodl.launch.builder",
     "ElCheConfig": "flodl.config",
     "CoordConfig": "flodl.config",
     "MaxFailure": "flodl.config",
