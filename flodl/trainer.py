@@ -179,6 +179,14 @@ class TrainerBuilder:
         return validated(TrainerConfig, **self._values)
 
     def run(self) -> TrainerHandle:
+        """Start the run; ``join()`` on the handle waits for it and returns the consensus.
+
+        In one process, or as a launcher (tiers 1-3), this returns at once. In a rank process
+        started by another launcher (tier 4: torchrun, SLURM, by hand) the rank trains here,
+        in the calling thread: it returns a finished handle, and raises at once what ended
+        the rank (``CoordinatorLost``, a failing ``train_step``). A child of flodl's own
+        launcher exits here (its state goes to the launcher).
+        """
         model_factory, optim_factory, train_step = self._factories
         config = self.config()
         _check_factories(model_factory, optim_factory, train_step, config)  # refuses None

@@ -290,7 +290,8 @@ def test_ranks_obey_the_standalone_coordinators_timeouts(
         for rank in range(2):
             env = flodl_env(address, tmp_path, rank, rank_env)
             cmd = [sys.executable, str(JOIN), "--out", str(tmp_path), "--epochs", "500"]
-            procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL, cwd=tmp_path))
+            with (tmp_path / f"rank{rank}.stderr").open("wb") as err:
+                procs.append(subprocess.Popen(cmd, env=env, stderr=err, cwd=tmp_path))
         wait_for_training(coord)
         coord.send_signal(signal.SIGSTOP)  # silent, connections still open
         codes = [p.wait(timeout=120) for p in procs]
@@ -300,6 +301,10 @@ def test_ranks_obey_the_standalone_coordinators_timeouts(
         for rank in range(2):
             record = checkpoint.read_death_record(str(stem), rank)
             assert f"liveness timeout {hb:g} s" in record.error, record.error
+            # a rank of this tier trains inside run(), which raises what ended it
+            err_lines = (tmp_path / f"rank{rank}.stderr").read_text().strip().splitlines()
+            assert err_lines[-1].startswith("flodl.errors.CoordinatorLost: "), err_lines[-5:]
+            assert "handle = Trainer.run(" in "\n".join(err_lines), err_lines[-12:]
     finally:
         coord.send_signal(signal.SIGCONT)
         reap(procs)
