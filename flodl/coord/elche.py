@@ -35,7 +35,7 @@ Choices (where the original is silent or ambiguous):
   ``max_anchor`` and the anchor follows), not rejected; an explicit ``min_anchor`` above the anchor
   lifts the anchor.
 - Ties among equally slow challengers, and the window-cap remainder among equal largest counts,
-  go to the lowest rank index (STYLE §0.5); Rust's ``max_by`` picks the last.
+  go to the lowest rank index (docs/design.md §4); Rust's ``max_by`` picks the last.
 - Window-cap and ``clamp_total`` scaling use exact integer floors (``c * max // total``) instead
   of float ``floor(c * scale)``, so the sum is exact without rounding surprises.
 - ``round`` is half-away-from-zero (Rust ``f64::round``), not Python's banker's rounding.

@@ -478,7 +478,8 @@ def _unpack(flat: Tensor, tensors: Sequence[Tensor]) -> None:
 
 
 def divergence(pre: Sequence[Tensor], post: Sequence[Tensor]) -> tuple[float, float, float]:
-    """``(‖pre − post‖ / ‖post‖, ‖pre‖, ‖post‖)``: L2 over all tensors concatenated (§3.1).
+    """``(‖pre − post‖ / ‖post‖, ‖pre‖, ‖post‖)``: L2 over all tensors concatenated
+    (docs/design.md §2b).
 
     ``pre`` is a rank's parameters before the reduce, ``post`` the consensus after it. The ratio
     is ``0.0`` when ``‖post‖`` is 0 or the ratio is not finite (a frame cannot carry NaN).

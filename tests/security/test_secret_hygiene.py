@@ -168,7 +168,7 @@ def test_launcher_run_keeps_the_secret_off_command_lines_output_and_files(tmp_pa
     ranks = {pid: env for pid, (_, env) in watch.tagged.items() if "FLODL_RANK" in env}
     assert proc.pid in watch.tagged, "the launcher was never seen"
     assert sorted(env["FLODL_RANK"] for env in ranks.values()) == ["0", "1"]
-    # the launcher hands the secret to its local ranks in their environment (DESIGN 2c)
+    # the launcher hands the secret to its local ranks in their environment (docs/design.md §2c)
     handed = {env.get("FLODL_SECRET") for env in ranks.values()}
     assert len(handed) == 1 and None not in handed, "the ranks no longer get FLODL_SECRET"
     secret = bytes.fromhex(handed.pop() or "")
