@@ -6,7 +6,8 @@
 * the pure core (foundation, coordinator, rank protocol, simulator) pulls in no I/O, clock,
   thread or torch, directly or through anything it imports;
 * no module but :mod:`flodl.modes` compares mode, policy or backend names;
-* no module is longer than :data:`MAX_LINES` unless docs/design.md names it and says why.
+* no module is longer than :data:`MAX_LINES` unless docs/design.md names it and says why;
+* comments and docstrings cite only documents of this repository (``docs/design.md §2``).
 
 Each checker is also shown to catch a planted violation.
 """
@@ -352,3 +353,48 @@ def test_mode_checker_catches_a_planted_comparison() -> None:
     )
     found = mode_comparisons(planted)
     assert [f.split(":")[0] for f in found] == ["line 1", "line 2", "line 3", "line 4"]
+
+
+# --- comments cite this repository ------------------------------------------------------------
+
+OUTSIDE = re.compile(r"\b(?:STYLE|DESIGN|EXAMPLES)(?:\.md)?\b|flodl-spec|\.\./shared")
+CITED_BY = ("design.md", "reliability.md", "security-notes.md", "benchmarks.md", "RFC")
+
+
+def outside_citations(text: str) -> list[str]:
+    """References a reader of this repository cannot follow: texts outside it by name, and
+    ``§`` sections not preceded (within the same sentence, across a line wrap) by the document
+    of this repository they belong to."""
+    flat = re.sub(r"\s*\n\s*(?:#\s*)?", " ", text)  # join wrapped lines (and comment lines)
+    found = [f"{m.group(0)!r}" for m in OUTSIDE.finditer(flat)]
+    for m in re.finditer("§", flat):
+        before = flat[max(0, m.start() - 40) : m.start()]
+        if not any(doc in before for doc in CITED_BY):
+            found.append(f"{flat[max(0, m.start() - 20) : m.start() + 6]!r}")
+    return found
+
+
+def test_comments_cite_only_this_repository() -> None:
+    files = [
+        p
+        for top in ("flodl", "tests", "benchmarks", "examples")
+        for p in (REPO / top).rglob("*.py")
+    ]
+    found = {
+        str(p.relative_to(REPO)): hits
+        for p in files
+        if p.name != "test_arch.py" and (hits := outside_citations(p.read_text()))
+    }
+    assert found == {}
+
+
+def test_the_citation_checker_catches_planted_references() -> None:
+    planted = (
+        "# go to the lowest rank (STYLE §0.5)\n"
+        "x = 1  # see DESIGN.md\n"
+        '"""over all tensors (§3.1)."""\n'
+        "# fine: docs/design.md §2, and docs/design.md\n#   §4 across a wrap; RFC 9112 §2.2\n"
+    )
+    found = outside_citations(planted)
+    assert found[:2] == ["'STYLE'", "'DESIGN.md'"]  # by name
+    assert len(found) == 4 and "STYLE §0.5" in found[2] and "(§3.1)" in found[3]  # bare §
