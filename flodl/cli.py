@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import flodl
-from flodl.config import DEFAULT_BATCH_SIZE, MODES
+from flodl.config import DEFAULT_BATCH_SIZE, DEFAULT_MODE, MODES
 from flodl.errors import ConfigError
 from flodl.sampling import SHUFFLE_BASE_SEED
 from flodl.timeouts import DEFAULT_HEARTBEAT_TIMEOUT_S
@@ -82,7 +82,7 @@ def _add_coord(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--dataset-len", type=int, required=True, help="samples in the ranks' dataset")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--mode", default="nccl_cadence", help=f"one of {', '.join(MODES)}")
+    p.add_argument("--mode", default=DEFAULT_MODE, help=f"one of {', '.join(MODES)}")
     p.add_argument(
         "--heartbeat-timeout",
         type=float,

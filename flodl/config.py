@@ -30,12 +30,15 @@ __all__ = [
     "CoordConfig",
     "validated",
     "DEFAULT_BATCH_SIZE",
+    "DEFAULT_MODE",
     "DEFAULT_ANCHOR",
     "DEFAULT_MAX_ANCHOR",
     "DEFAULT_OVERHEAD_TARGET",
 ]
 
 DEFAULT_BATCH_SIZE = 32
+DEFAULT_MODE: Mode = "nccl_cadence"
+"""The mode of an ElChe config that names none (the original's default)."""
 DEFAULT_ANCHOR = 10
 """ElChe's initial window, in batches of the slowest rank (the original's default)."""
 DEFAULT_MAX_ANCHOR = 1000
@@ -79,7 +82,7 @@ class ElCheConfig(_Config):
     default), :meth:`nccl_sync`, :meth:`cpu_sync`, :meth:`cpu_cadence`, :meth:`cpu_async`; a
     preset's settings are its row of :data:`flodl.modes.MODE_TRAITS`."""
 
-    mode: Mode = "nccl_cadence"
+    mode: Mode = DEFAULT_MODE
     anchor: Annotated[int, Field(ge=1, le=1_000_000)] = DEFAULT_ANCHOR
     max_anchor: Annotated[int, Field(ge=1)] | None = None
     """Staleness cap on the anchor; ``None`` means :data:`DEFAULT_MAX_ANCHOR` (1000)."""
