@@ -67,7 +67,7 @@ from flodl.wire.frames import (
     RankFrame,
     Reject,
 )
-from flodl.wire.stream import FrameReader, FrameWriter
+from flodl.wire.stream import FrameReader, FrameWriter, client_handshake
 
 __all__ = [
     "RankBridge",
@@ -158,9 +158,9 @@ class RankBridge:
         secret: the run secret that authenticates every frame (at least 16 bytes).
         hello: the first frame of the connection; its ``rank`` is this rank.
         heartbeat_s: interval of the bridge's :class:`Heartbeat` frames (seconds).
-        liveness_timeout_s: the longest wait for the handshake reply (seconds); from the
-            ``accept`` on, the coordinator's ``heartbeat_timeout_s`` is the silence after which
-            it counts as lost.
+        liveness_timeout_s: the longest wait for the whole handshake (the coordinator's challenge
+            and its reply, seconds); from the ``accept`` on, the coordinator's
+            ``heartbeat_timeout_s`` is the silence after which it counts as lost.
         connect_timeout_s: how long :meth:`start` keeps retrying (every
             :data:`CONNECT_RETRY_S`) while nothing listens yet, since ranks may start before
             their coordinator (seconds).
@@ -472,10 +472,8 @@ class RankBridge:
             self._started.set_exception(exc)
             return
         self._writer = writer
-        fr = FrameReader(reader, self._secret)
-        fw = FrameWriter(writer, self._secret)
         try:
-            accept = await self._handshake(fr, fw)
+            accept, fr, fw = await self._handshake(reader, writer)
             if self._closing:
                 raise LocalProtocolError("close() during start()", rank=self._rank)
         except Exception as exc:  # noqa: BLE001 - handed to start() on the main thread
@@ -535,11 +533,22 @@ class RankBridge:
                 _set_nodelay(writer)
                 return reader, writer
 
-    async def _handshake(self, fr: FrameReader, fw: FrameWriter) -> Accept:
+    async def _handshake(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[Accept, FrameReader, FrameWriter]:
+        """The coordinator's challenge, our nonce and hello, its reply: all within the liveness
+        timeout (:mod:`flodl.wire.control_hello`)."""
         hello = self._hello
         try:
-            await fw.write(hello)
             async with asyncio.timeout(self._liveness_timeout_s):
+                try:
+                    key = await client_handshake(reader, writer, self._secret)
+                except FrameError as exc:
+                    raise CoordinatorLost(
+                        f"bad handshake from {self._host}:{self._port}: {exc}"
+                    ) from None
+                fr, fw = FrameReader(reader, key), FrameWriter(writer, key)
+                await fw.write(hello)
                 reply = await fr.read()
         except TimeoutError:
             raise CoordinatorLost(
@@ -561,7 +570,7 @@ class RankBridge:
                 f"accept for rank {reply.rank} of run {reply.run_id!r}; "
                 f"expected rank {hello.rank} of run {hello.run_id!r}"
             )
-        return reply
+        return reply, fr, fw
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro, name=f"flodl-bridge-{name}")

@@ -3,8 +3,10 @@
 Single-threaded (one event loop, uvloop in production); the machine makes every decision and
 this module only moves bytes and time:
 
-* one reader task per connection: the first frame must be ``hello`` (within
-  ``hello_timeout_s`` of the accept, else the connection is aborted); the machine's ``Reply``
+* one reader task per connection: at accept the server sends its challenge (a fresh nonce,
+  :mod:`flodl.wire.control_hello`); the rank's nonce and then its ``hello`` frame, tagged with
+  the key both nonces give, must arrive within ``hello_timeout_s`` of the accept (one deadline
+  for the whole handshake), else the connection is aborted; the machine's ``Reply``
   effect answers on that connection and an ``Accept`` binds it to its rank (or marks it a
   launcher supervisor);
 * the port listens with a backlog of :data:`LISTEN_BACKLOG`, not asyncio's 100, so that the
@@ -58,6 +60,7 @@ from flodl.coord.machine import Coordinator
 from flodl.errors import FrameError
 from flodl.service.refusals import Refusals
 from flodl.wire.codec import MAX_CONTROL_FRAME_BYTES, AnyFrame
+from flodl.wire.control_hello import NONCE_BYTES, connection_key, encode_challenge, new_nonce
 from flodl.wire.frames import (
     RANK_FRAME_KINDS,
     Accept,
@@ -129,10 +132,13 @@ class ReduceHooks(Protocol):
 
 @dataclass(eq=False)
 class _Peer:
-    reader: FrameReader
-    writer: FrameWriter
+    source: asyncio.StreamReader
     stream: asyncio.StreamWriter
     address: str
+    nonce: bytes
+    """The server's nonce of this connection (sent in its challenge)."""
+    writer: FrameWriter | None = None
+    """Set once the rank's nonce arrived (the connection key is known)."""
     rank: int | None = None
     role: str = "rank"
     supervisor: bool = False
@@ -146,13 +152,13 @@ class CoordinatorServer:
 
     Args:
         machine: the pure coordinator (owned: only this server calls it).
-        secret: the run secret (authenticates every frame).
+        secret: the run secret (each connection's frame key is derived from it).
         host: address to bind (127.0.0.1 unless ranks are on other hosts).
         port: port to bind, 0 for any.
         sink: destination of meta/records/alerts/metrics effects.
         reduce: the CPU reduce server, when the mode averages on the CPU.
         high_water: bytes queued to one peer before it counts as a slow reader.
-        hello_timeout_s: how long a new connection may take to say ``hello``.
+        hello_timeout_s: how long a new connection may take to send its nonce and ``hello``.
         data_port: the CPU reduce server's port, announced in every ``accept``.
         store_port: the torch.distributed store's port, announced in every ``accept``.
     """
@@ -261,12 +267,9 @@ class CoordinatorServer:
         peername = writer.get_extra_info("peername")
         address = f"{peername[0]}:{peername[1]}" if peername else "?"
         writer.transport.set_write_buffer_limits(high=self._high_water)
-        peer = _Peer(
-            FrameReader(reader, self._secret, max_bytes=HELLO_MAX_BYTES),
-            FrameWriter(writer, self._secret),
-            writer,
-            address,
-        )
+        peer = _Peer(reader, writer, address, new_nonce())
+        with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+            writer.write(encode_challenge(peer.nonce))  # never waits: 24 B into a fresh buffer
         peer.task = asyncio.current_task()
         self._peers.add(peer)
         try:
@@ -279,9 +282,27 @@ class CoordinatorServer:
                 self._close_peer(peer, peer.reason or "connection ended")
             await _wait_closed(writer)
 
+    async def _handshake(self, peer: _Peer) -> tuple[FrameReader, AnyFrame | None] | None:
+        """The rank's nonce, then its first frame under the connection key; ``None`` when the
+        peer left before sending a byte (the caller bounds it in time)."""
+        try:
+            client_nonce = await peer.source.readexactly(NONCE_BYTES)
+        except asyncio.IncompleteReadError as exc:
+            if not exc.partial:
+                return None
+            raise FrameError(
+                f"EOF after {len(exc.partial)} of the {NONCE_BYTES} B of the rank's nonce"
+            ) from None
+        key = connection_key(self._secret, peer.nonce, client_nonce)
+        reader = FrameReader(peer.source, key, max_bytes=HELLO_MAX_BYTES)
+        peer.writer = FrameWriter(peer.stream, key)
+        return reader, await reader.read()
+
     async def _serve(self, peer: _Peer) -> None:
         try:
-            first = await asyncio.wait_for(peer.reader.read(), self._hello_timeout_s)
+            # one deadline for the whole handshake (nonce and hello), as on the data port
+            async with asyncio.timeout(self._hello_timeout_s):
+                handshake = await self._handshake(peer)
         except TimeoutError:
             peer.reason = f"no hello within {self._hello_timeout_s:g} s"
             self._refuse(peer.address, peer.reason)
@@ -293,6 +314,9 @@ class CoordinatorServer:
         except (ConnectionError, OSError) as exc:
             peer.reason = f"connection error before hello: {exc}"
             return
+        if handshake is None:
+            return
+        reader, first = handshake
         if first is None:
             return
         if not isinstance(first, Hello):
@@ -303,10 +327,10 @@ class CoordinatorServer:
         self._dispatch(first, peer)
         if peer.closed:
             return
-        peer.reader.max_bytes = MAX_CONTROL_FRAME_BYTES  # authenticated and accepted
+        reader.max_bytes = MAX_CONTROL_FRAME_BYTES  # authenticated and accepted
         while not peer.closed:
             try:
-                frame = await peer.reader.read()
+                frame = await reader.read()
             except FrameError as exc:
                 peer.reason = f"bad frame: {exc}"
                 self._refuse(peer.address, peer.reason, peer.rank)
@@ -349,7 +373,7 @@ class CoordinatorServer:
             return
         peer.closed = True
         peer.reason = peer.reason or reason
-        if report or peer.writer.buffered > self._high_water:
+        if report or peer.stream.transport.get_write_buffer_size() > self._high_water:
             # A lost or slow peer gets no graceful flush: close() would keep the socket open
             # until its queue drains, i.e. forever for a reader that stopped reading.
             peer.stream.transport.abort()
@@ -489,16 +513,18 @@ class CoordinatorServer:
         self._write(peer, frame)
 
     def _write(self, peer: _Peer, frame: CoordFrame) -> None:
+        writer = peer.writer
+        assert writer is not None, "a frame to a peer before its handshake"
         try:
-            peer.writer.write_nowait(frame)
+            writer.write_nowait(frame)
         except (ConnectionError, OSError, RuntimeError) as exc:
             self._drop(peer, frame, f"write failed: {exc}")
             return
-        if peer.writer.buffered > self._high_water:
+        if writer.buffered > self._high_water:
             self._drop(
                 peer,
                 frame,
-                f"slow reader: {peer.writer.buffered} B queued (high-water {self._high_water})",
+                f"slow reader: {writer.buffered} B queued (high-water {self._high_water})",
             )
 
     def _drop(self, peer: _Peer, frame: CoordFrame, reason: str) -> None:

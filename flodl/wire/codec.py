@@ -1,12 +1,13 @@
 """Control-frame codec: ``[u32 big-endian length][msgpack body][16-byte auth tag]``.
 
-Pure module (no I/O). The tag is HMAC-SHA256 keyed by the run secret over
-``seq (u64 big-endian) ‖ length ‖ body``, truncated to :data:`TAG_BYTES`, and compared in constant
-time. ``seq`` is the per-direction frame counter of a connection (see :mod:`flodl.wire.stream`):
-it is never sent, both ends count, so a frame replayed or reordered on a connection fails its
-tag. The 8-byte counter is always part of the MAC input, ``seq=0`` (the default) included, so
-a tag is never HMAC(``length ‖ body``) alone: this extends the original's design, which omits
-``seq`` (docs/design.md §1).
+Pure module (no I/O). The tag is HMAC-SHA256 keyed by the connection's key (derived from the
+run secret and both ends' nonces by :mod:`flodl.wire.control_hello`; these functions take any
+key, called ``secret`` here) over ``seq (u64 big-endian) ‖ length ‖ body``, truncated to
+:data:`TAG_BYTES`, and compared in constant time. ``seq`` is the per-direction frame counter of
+a connection (see :mod:`flodl.wire.stream`): it is never sent, both ends count, so a frame
+replayed or reordered on a connection fails its tag. The 8-byte counter is always part of the
+MAC input, ``seq=0`` (the default) included, so a tag is never HMAC(``length ‖ body``) alone:
+this extends the original's design, which omits ``seq`` (docs/design.md §1).
 
 The length is checked against a ceiling before any buffer is sized from it; every decoding
 failure (truncated, oversize, bad tag, not msgpack, not a map, unknown kind, invalid or extra
@@ -66,9 +67,13 @@ def check_secret(secret: bytes) -> bytes:
     return bytes(secret)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=4096)
 def _keyed(secret: bytes) -> hmac.HMAC:
-    """An HMAC-SHA256 object keyed with ``secret`` and fed nothing yet, per secret.
+    """An HMAC-SHA256 object keyed with ``secret`` and fed nothing yet, per key.
+
+    Every control connection has its own key (:mod:`flodl.wire.control_hello`), so the cache
+    holds one entry per live connection of a large world (a few hundred bytes each) and a miss
+    costs one key schedule.
 
     ``hmac.new`` redoes the key schedule on every call, a large part of the cost of tagging a
     small frame; :meth:`hmac.HMAC.copy` of a keyed object skips it. The cached objects are

@@ -92,12 +92,15 @@ __all__ = [
     "COORD_FRAME_KINDS",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+"""Version of the control protocol, in every ``hello`` and in the server's challenge; bumped on
+any incompatible change of a frame, of the codec or of the handshake. 3: a
+per-connection key from nonces both ways (:mod:`flodl.wire.control_hello`); 2 keyed frames with
+the secret itself; see docs/design.md §1."""
 
 BUNDLE_TAG_PATTERN = r"b\d{1,20}-\d{1,10}-[0-9a-f]{6}"
 """A checkpoint save's tag, on its files and in the meta that commits them:
 ``b<global step>-<bundle version>-<6 hex>``."""
-"""Bumped on any incompatible change of a frame or of the codec."""
 
 MAX_WORLD_SIZE = 65_536
 MAX_U63 = (1 << 63) - 1

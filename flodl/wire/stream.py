@@ -4,6 +4,10 @@ A :class:`FrameReader` / :class:`FrameWriter` pair wraps one connection. Each di
 its own frame counter, mixed into every auth tag (see :mod:`flodl.wire.codec`), so a replayed,
 dropped or reordered frame fails authentication. EOF at a frame boundary is a clean end
 (:meth:`FrameReader.read` returns ``None``); EOF inside a frame is a :class:`FrameError`.
+
+Before any frame the connection agrees its key (:mod:`flodl.wire.control_hello`): the server
+sends its challenge, the rank answers with its nonce (:func:`client_handshake`), and both wrap
+the connection with the key the two nonces give.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from flodl.wire.codec import (
     encode_frame,
     verify_tag,
 )
+from flodl.wire.control_hello import CHALLENGE_BYTES, connection_key, new_nonce, parse_challenge
 
-__all__ = ["FrameReader", "FrameWriter", "read_frame", "write_frame"]
+__all__ = ["FrameReader", "FrameWriter", "client_handshake", "read_frame", "write_frame"]
 
 
 class FrameReader:
@@ -133,3 +138,27 @@ async def write_frame(
     fw = FrameWriter(writer, secret, max_bytes=max_bytes)
     fw.seq = seq
     await fw.write(frame)
+
+
+async def client_handshake(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes
+) -> bytes:
+    """The rank's side of a control connection's handshake: read the server's challenge, send a
+    fresh nonce; return the connection key (for :class:`FrameReader` / :class:`FrameWriter`).
+
+    The caller bounds it in time; the hello is the caller's next write.
+
+    Raises:
+        FrameError: EOF before the whole challenge, or a challenge that is not a flodl
+            coordinator's or is of another control protocol version.
+    """
+    try:
+        challenge = await reader.readexactly(CHALLENGE_BYTES)
+    except asyncio.IncompleteReadError as exc:
+        raise FrameError(
+            f"EOF after {len(exc.partial)} of the {CHALLENGE_BYTES} B of the challenge"
+        ) from None
+    server_nonce = parse_challenge(challenge)
+    client_nonce = new_nonce()
+    writer.write(client_nonce)
+    return connection_key(secret, server_nonce, client_nonce)

@@ -6,10 +6,13 @@ dashboard) trains a small deterministic job with two real rank processes
 control port, the data (reduce) port and the dashboard port and sends at least
 :data:`TARGET_INPUTS` hostile inputs: random bytes, truncated frames, length prefixes up to
 ``0xFFFFFFFF``, msgpack bodies with invalid fields under an HMAC of another secret, frames with
-a wrong tag, a frame replayed from another run, slowloris connections (one byte a second),
-thousands of idle connections and hostile HTTP requests. One connection carries one input (the
-servers close a connection at its first bad frame), so inputs and connections are counted
-alike.
+a wrong tag, a frame replayed from another run or from another connection of this run,
+slowloris connections (one byte a second), thousands of idle connections and hostile HTTP
+requests. One connection carries one input (the servers close a connection at its first bad
+frame), so inputs and connections are counted alike. The control port sends its challenge at
+accept (docs/design.md §1): every control input follows a 16-byte nonce, and those made with the
+run secret are keyed for their own connection from that challenge (the challenge is not counted
+as an answer).
 
 Then the run must end as a reference run without the attack does: exit 0, every epoch covered
 exactly once with the same sample counts, no rank declared dead, the two ranks on the same
@@ -54,6 +57,7 @@ import pytest
 import torch
 
 from flodl.wire.codec import MAX_CONTROL_FRAME_BYTES, auth_tag, encode_frame
+from flodl.wire.control_hello import CHALLENGE_BYTES, NONCE_BYTES, connection_key, parse_challenge
 from flodl.wire.data_hello import HELLO_MAGIC, encode_data_hello
 from flodl.wire.frames import Heartbeat, Hello
 
@@ -266,9 +270,16 @@ INVALID_BODIES: list[object] = [
 ]
 
 
+Keyed = Callable[[bytes], bytes]
+"""A control input made for one connection: the server's nonce (from its challenge) → the
+bytes to send (our nonce, then frames under the connection key)."""
+Payload = bytes | Keyed
+
+
 @dataclass
 class Payloads:
-    """Every hostile message, built once (the attack picks among them)."""
+    """Every hostile message, built once (the attack picks among them); those under the run
+    secret's connection keys are built per connection."""
 
     secret: bytes
     run_id: str
@@ -281,19 +292,53 @@ class Payloads:
         other = Hello(run_id="another-run", rank=0, world_size=2, model_signature="f" * 64)
         # a real hello of another run: its secret, its run id (what a captured frame would be)
         self.replayed = encode_frame(other, self.foreign)
-        bodies = [msgpack.packb(b, use_bin_type=True) for b in INVALID_BODIES]
-        self.foreign_invalid = [_frame(b, self.foreign) for b in bodies]
-        self.authed_invalid = [_frame(b, self.secret) for b in bodies]
+        self.hello_frame = hello
+        self.bodies = [msgpack.packb(b, use_bin_type=True) for b in INVALID_BODIES]
+        self.foreign_invalid = [_frame(b, self.foreign) for b in self.bodies]
         dup = Hello(run_id=self.run_id, rank=1, world_size=2, model_signature="0" * 64)
         wrong_run = Hello(run_id="not-this-run", rank=0, world_size=2, model_signature="0" * 64)
         wrong_world = Hello(run_id=self.run_id, rank=0, world_size=3, model_signature="0" * 64)
-        self.authed_refused = [encode_frame(h, self.secret) for h in (dup, wrong_run, wrong_world)]
-        self.authed_not_hello = encode_frame(Heartbeat(rank=0, step=5), self.secret)
+        self.refused_hellos = [dup, wrong_run, wrong_world]
         # rank 0's real data hello
         self.data_hello = encode_data_hello(self.secret, self.run_id, 0, 2)
 
     # control port ----------------------------------------------------------------------------
-    def control(self, kind: str) -> bytes:
+    def nonce(self) -> bytes:
+        """A rank nonce (what a control input starts with)."""
+        return self.rng.randbytes(NONCE_BYTES)
+
+    def _keyed(self, make: Callable[[bytes], bytes]) -> Keyed:
+        """``make(connection key)`` after our nonce, for the connection whose challenge comes."""
+        client_nonce = self.nonce()
+
+        def build(server_nonce: bytes) -> bytes:
+            return client_nonce + make(connection_key(self.secret, server_nonce, client_nonce))
+
+        return build
+
+    def control(self, kind: str) -> Payload:
+        """A control input: a nonce then the hostile bytes, or one made for its connection."""
+        rng = self.rng
+        match kind:
+            case "wrong_tag":  # a real hello of this connection, its tag damaged
+                if rng.random() < 0.5:
+                    return self._keyed(lambda k: _flip_last(encode_frame(self.hello_frame, k)))
+                tag = rng.randbytes(16)
+                return self._keyed(lambda k: encode_frame(self.hello_frame, k)[:-16] + tag)
+            case "replayed_other_connection":  # this run's hello, keyed for another connection
+                key = connection_key(self.secret, self.nonce(), self.nonce())
+                return self.nonce() + encode_frame(self.hello_frame, key)
+            case "authed_invalid_fields":
+                body = rng.choice(self.bodies)
+                return self._keyed(lambda k: _frame(body, k))
+            case "authed_refused_hello":
+                refused = rng.choice(self.refused_hellos)
+                return self._keyed(lambda k: encode_frame(refused, k))
+            case "authed_not_hello":
+                return self._keyed(lambda k: encode_frame(Heartbeat(rank=0, step=5), k))
+        return self.nonce() + self._unkeyed(kind)
+
+    def _unkeyed(self, kind: str) -> bytes:
         rng = self.rng
         match kind:
             case "random_bytes":
@@ -317,18 +362,8 @@ class Payloads:
                 return struct.pack("!I", n) + rng.randbytes(rng.randint(0, n - 1))
             case "foreign_secret_invalid_fields":
                 return rng.choice(self.foreign_invalid)
-            case "wrong_tag":
-                if rng.random() < 0.5:
-                    return _flip_last(self.hello)
-                return self.hello[:-16] + rng.randbytes(16)
             case "replayed_other_run":
                 return self.replayed
-            case "authed_invalid_fields":
-                return rng.choice(self.authed_invalid)
-            case "authed_refused_hello":
-                return rng.choice(self.authed_refused)
-            case "authed_not_hello":
-                return self.authed_not_hello
             case "body_1mib_bad_tag":
                 return struct.pack("!I", 1 << 20) + rng.randbytes((1 << 20) + 16)
             case "body_16mib_bad_tag":
@@ -428,6 +463,7 @@ CONTROL_KINDS: dict[str, tuple[float, int | None]] = {
     "foreign_secret_invalid_fields": (15, None),
     "wrong_tag": (10, None),
     "replayed_other_run": (8, None),
+    "replayed_other_connection": (8, None),
     "authed_invalid_fields": (5, None),
     "authed_refused_hello": (4, None),
     "authed_not_hello": (3, None),
@@ -465,20 +501,34 @@ HTTP_REFUSALS = {b"400", b"404", b"405", b"408", b"414", b"431", b"503"}
 
 
 class _Client(asyncio.Protocol):
-    """One hostile connection: keeps the first bytes of the answer, notes how it ended."""
+    """One hostile connection: keeps the first bytes of the answer, notes how it ended. On the
+    control port the server's challenge comes first: it is kept apart (``challenge``: the
+    server's nonce, ``None`` if the connection ended first) and is no answer."""
 
-    def __init__(self, ended: asyncio.Future[str]) -> None:
+    def __init__(self, ended: asyncio.Future[str], *, challenge: bool) -> None:
         self.ended = ended
         self.head = b""
+        self._pre = b""
+        self._skip = CHALLENGE_BYTES if challenge else 0
+        self.challenge: asyncio.Future[bytes | None] = ended.get_loop().create_future()
+        if not challenge:
+            self.challenge.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        if len(self.head) < 16:
+        if len(self._pre) < self._skip:
+            need = self._skip - len(self._pre)
+            self._pre, data = self._pre + data[:need], data[need:]
+            if len(self._pre) == self._skip:
+                self.challenge.set_result(parse_challenge(self._pre))
+        if data and len(self.head) < 16:
             self.head += data[:16]
 
     def eof_received(self) -> bool:
         return False  # close our side too
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if not self.challenge.done():
+            self.challenge.set_result(None)
         if not self.ended.done():
             self.ended.set_result("reset" if exc is not None else "closed")
 
@@ -521,7 +571,7 @@ class Attack:
         ended: asyncio.Future[str] = self.loop.create_future()
         try:
             transport, proto = await self.loop.create_connection(
-                lambda: _Client(ended),
+                lambda: _Client(ended, challenge=port == "control"),
                 "127.0.0.1",
                 self.ports[port],
                 local_addr=(self._source(), 0),
@@ -549,11 +599,19 @@ class Attack:
         if port == "dashboard":
             self.tally.http_status[kind, proto.head[9:12] or how.encode()] += 1
 
-    async def one(self, port: str, kind: str, payload: bytes, *, eof: bool = True) -> None:
+    async def one(self, port: str, kind: str, payload: Payload, *, eof: bool = True) -> None:
         conn = await self._open(port, kind)
         if conn is None:
             return
-        transport = conn[0]
+        transport, proto = conn
+        if not isinstance(payload, bytes):  # made for this connection, from its challenge
+            try:
+                server_nonce = await asyncio.wait_for(proto.challenge, CLIENT_TIMEOUT_S)
+            except TimeoutError:
+                self.tally.client_timeouts[port, kind] += 1
+                transport.abort()
+                return
+            payload = payload(server_nonce) if server_nonce is not None else b""
         with contextlib.suppress(Exception):
             transport.write(payload)
             self.tally.bytes_sent += len(payload)
@@ -589,7 +647,7 @@ class Attack:
         self,
         port: str,
         kinds: dict[str, tuple[float, int | None]],
-        make: Callable[[str], bytes],
+        make: Callable[[str], Payload],
         quota: int,
     ) -> None:
         heavy = asyncio.Semaphore(2)  # at most two multi-MiB bodies in flight
@@ -622,7 +680,7 @@ class Attack:
             background.append(self._waves(port, count))
         for port, count in SLOWLORIS.items():
             if port == "control":
-                body = p.hello
+                body = p.nonce() + p.hello
             elif port == "data":
                 body = encode_data_hello(p.foreign, p.run_id, 0, 2)
             else:
@@ -802,6 +860,7 @@ async def test_hostile_inputs_on_every_port_change_nothing(tmp_path: Path) -> No
     # the log itself stays bounded: a budget of warnings a minute plus one summary line each
     assert sum(logged_control.values()) + sum(logged_data.values()) <= 2 * 20 * 3, report_log(log)
     authed = sum(n for (p, k), n in tally.sent.items() if k.startswith("authed_"))
+    authed += tally.sent["control", "replayed_other_connection"]
     report = {
         "attack_s": round(attack_s, 1),
         "inputs": tally.total,
@@ -867,6 +926,7 @@ async def test_hostile_inputs_on_every_port_change_nothing(tmp_path: Path) -> No
     assert control_log["bad auth tag"] >= (
         tally.sent["control", "wrong_tag"]
         + tally.sent["control", "replayed_other_run"]
+        + tally.sent["control", "replayed_other_connection"]
         + tally.sent["control", "foreign_secret_invalid_fields"]
     )
     # a first frame over 64 KiB is refused by its length alone, before a byte of it is kept

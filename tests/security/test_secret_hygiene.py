@@ -6,9 +6,11 @@
 * ``flodl coord`` creates a missing ``--secret-file`` with mode 0600, refuses one that group or
   others may read, never prints the secret, binds loopback by default and warns when it does
   not;
-* a real hello recorded from run A is refused by run B (other secret: bad tag; same secret,
-  other run id: refused handshake); a frame replayed inside a connection (same sequence
-  number) closes that connection;
+* a real hello recorded from run A is refused by run B, at its tag, whatever the two runs share
+  (another secret; the same secret and another run id; the same secret and run id): every
+  control connection agrees its own key from a server challenge and a rank nonce; a
+  coordinator's answers recorded on one connection are refused by a rank on another; a frame
+  replayed inside a connection (same sequence number) closes that connection;
 * tags are compared in constant time (``hmac.compare_digest``, checked in the source) and a
   tag that differs in its last byte is refused (codec, data handshake, tensor frames, live).
 
@@ -34,7 +36,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,8 +50,10 @@ from flodl.rank.bridge import RankBridge
 from flodl.service.coordinator import CoordinatorService
 from flodl.wire import codec, data_hello, tensor_read
 from flodl.wire.codec import HEADER_BYTES, TAG_BYTES, decode_frame, encode_frame
+from flodl.wire.control_hello import CHALLENGE_BYTES, NONCE_BYTES, connection_key, parse_challenge
 from flodl.wire.data_hello import encode_data_hello, parse_data_hello
-from flodl.wire.frames import Accept, Heartbeat, Hello, Reject
+from flodl.wire.frames import Accept, Heartbeat, Hello
+from flodl.wire.stream import client_handshake
 from flodl.wire.tensor_read import decode_tensor_frame
 from flodl.wire.tensors import TensorKind, encode_tensor_frame
 
@@ -380,12 +384,15 @@ async def start_coordinator(secret: bytes, run_id: str) -> CoordinatorService:
 
 
 class RecordingProxy:
-    """A TCP proxy that records every frame a client sends (and can send one twice)."""
+    """A TCP proxy that records its (last) client's nonce and every frame it sends (and can send
+    one twice), and every byte the server sends back (its challenge first)."""
 
     def __init__(self, target_port: int, *, duplicate: int | None = None) -> None:
         self.target_port = target_port
         self.duplicate = duplicate
+        self.nonce = b""
         self.frames: list[bytes] = []
+        self.from_server = bytearray()
         self.server: asyncio.Server | None = None
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -408,6 +415,8 @@ class RecordingProxy:
 
     async def _frames(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            self.nonce = await reader.readexactly(NONCE_BYTES)
+            writer.write(self.nonce)
             while True:
                 header = await reader.readexactly(HEADER_BYTES)
                 (length,) = struct.unpack("!I", header)
@@ -422,6 +431,7 @@ class RecordingProxy:
     async def _bytes(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError):
             while data := await reader.read(65536):
+                self.from_server += data
                 writer.write(data)
                 await writer.drain()
         writer.close()
@@ -440,8 +450,25 @@ def real_bridge(port: int, secret: bytes, run_id: str) -> RankBridge:
     )
 
 
-async def record_real_hello(secret: bytes, run_id: str) -> bytes:
-    """The bytes of the first frame a real :class:`RankBridge` sends to run ``run_id``."""
+def proxy_key(proxy: RecordingProxy, secret: bytes) -> bytes:
+    """The key of the connection the proxy relayed (from its challenge and nonce)."""
+    server_nonce = parse_challenge(proxy.from_server[:CHALLENGE_BYTES])
+    return connection_key(secret, server_nonce, proxy.nonce)
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """Both sides of a real rank's join, as a wire tap sees them."""
+
+    from_rank: bytes
+    """The rank's nonce and its hello."""
+    from_coordinator: bytes
+    """The coordinator's challenge and its accept."""
+
+
+async def record_real_join(secret: bytes, run_id: str) -> Recorded:
+    """What a real :class:`RankBridge` and coordinator of run ``run_id`` send to each other,
+    up to the accept."""
     service = await start_coordinator(secret, run_id)
     assert service.server is not None
     proxy = RecordingProxy(service.port)
@@ -453,19 +480,35 @@ async def record_real_hello(secret: bytes, run_id: str) -> bytes:
     finally:
         await proxy.close()
         await service.close()
-    hello = decode_frame(proxy.frames[0], secret)
+    key = proxy_key(proxy, secret)  # the recording is genuine: it decodes under its own key
+    hello = decode_frame(proxy.frames[0], key)
     assert isinstance(hello, Hello) and hello.run_id == run_id
-    return proxy.frames[0]
+    answer = bytes(proxy.from_server[CHALLENGE_BYTES:])
+    assert isinstance(decode_frame(answer[: _first_len(answer)], key), Accept)
+    return Recorded(
+        proxy.nonce + proxy.frames[0],
+        bytes(proxy.from_server[: CHALLENGE_BYTES + _first_len(answer)]),
+    )
 
 
-async def send_raw(port: int, data: bytes, limit_s: float = 15.0) -> bytes:
-    """Send ``data`` on a fresh connection; return what came back before EOF or ``limit_s``."""
+async def record_real_hello(secret: bytes, run_id: str) -> bytes:
+    """The bytes a real :class:`RankBridge` sends to run ``run_id`` up to its hello (its nonce
+    and the hello frame)."""
+    return (await record_real_join(secret, run_id)).from_rank
+
+
+async def _exchange(
+    port: int,
+    write: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    limit_s: float,
+) -> bytes:
+    """Connect, ``write``, then return what came back before EOF or ``limit_s``."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(data)
-    await writer.drain()
     got = b""
     try:
         async with asyncio.timeout(limit_s):
+            await write(reader, writer)
+            await writer.drain()
             while chunk := await reader.read(65536):
                 got += chunk
     except (ConnectionError, TimeoutError):
@@ -475,6 +518,34 @@ async def send_raw(port: int, data: bytes, limit_s: float = 15.0) -> bytes:
         with contextlib.suppress(ConnectionError):
             await writer.wait_closed()
     return got
+
+
+async def send_raw(port: int, data: bytes, limit_s: float = 15.0) -> bytes:
+    """Read the coordinator's challenge on a fresh connection, then send ``data`` as it is (a
+    recorded nonce and frames); return what came back after the challenge, before EOF or
+    ``limit_s``."""
+
+    async def write(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        parse_challenge(await reader.readexactly(CHALLENGE_BYTES))
+        writer.write(data)
+
+    return await _exchange(port, write, limit_s)
+
+
+async def send_keyed(
+    port: int, secret: bytes, make: Callable[[bytes], bytes], limit_s: float = 15.0
+) -> tuple[bytes, bytes]:
+    """Do a rank's handshake on a fresh connection, then send ``make(connection key)``; return
+    the key and what came back, before EOF or ``limit_s``."""
+    keys: list[bytes] = []
+
+    async def write(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        keys.append(await client_handshake(reader, writer, secret))
+        writer.write(make(keys[0]))
+
+    reply = await _exchange(port, write, limit_s)
+    assert keys, "no challenge from the coordinator"
+    return keys[0], reply
 
 
 @pytest.mark.uvloop
@@ -496,41 +567,71 @@ async def test_a_real_hello_recorded_from_one_run_is_refused_by_another(
     finally:
         await service.close()
 
-    # run C: the same secret (a reused secret file) but another run id: refused handshake
+    # run C: the same secret (a reused secret file) but another run id: the recorded hello was
+    # keyed for its own connection (protocol 3), so it fails its tag before its run id is read
+    # (protocol 2 decoded it and sent a reject naming the other run id)
     caplog.clear()
     service = await start_coordinator(secret_a, "run-c")
     try:
         with caplog.at_level(logging.WARNING, logger="flodl.service.server"):
             reply = await send_raw(service.port, recorded)
-        reject = decode_frame(reply, secret_a)
-        assert isinstance(reject, Reject)
-        assert "run id 'run-a' does not match this run ('run-c')" in reject.reason
+        assert reply == b""
         assert service.machine.membership.liveness.joined_count() == 0
-        assert re.search(r"(?:refused|closing) \S+: run id 'run-a' does not match", caplog.text)
+        assert "bad first frame: bad auth tag" in caplog.text
     finally:
         await service.close()
 
 
 @pytest.mark.uvloop
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="GAP: two runs that share the secret and the run id (two `flodl coord` runs on one "
-    "--secret-file given the same --run-id; the default run id is now random) accept each "
-    "other's recorded control frames: the control handshake has no server challenge (the data "
-    "plane's has nonces both ways)",
-)
-async def test_a_recorded_hello_is_refused_by_a_later_run_with_the_same_secret_and_run_id() -> None:
+async def test_a_recorded_hello_is_refused_by_a_later_run_with_the_same_secret_and_run_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two `flodl coord` runs on one --secret-file given the same --run-id: the later one sends
+    its own challenge, so the recorded nonce and hello give another key and the hello fails its
+    tag (the connection is closed without an accept, nothing is decoded)."""
     secret = os.urandom(32)
     recorded = await record_real_hello(secret, "run")
     service = await start_coordinator(secret, "run")
     try:
-        reply = await send_raw(service.port, recorded, limit_s=2.0)
-        frame = decode_frame(reply[: _first_len(reply)], secret)
-        assert isinstance(frame, Reject), frame
+        with caplog.at_level(logging.WARNING, logger="flodl.service.server"):
+            reply = await send_raw(service.port, recorded, limit_s=5.0)
+        assert reply == b""  # closed, without an accept
         assert service.machine.membership.liveness.joined_count() == 0
+        assert "bad first frame: bad auth tag" in caplog.text
     finally:
         await service.close()
+
+
+@pytest.mark.uvloop
+@pytest.mark.timeout(60)
+async def test_a_recorded_coordinator_transcript_is_refused_by_a_rank() -> None:
+    """A fake coordinator replays the challenge and the accept a real one sent on an earlier
+    connection of the same run (same secret, same run id): the rank's nonce is fresh, so the
+    key differs and the accept fails its tag; the rank never starts."""
+    secret = os.urandom(32)
+    recorded = await record_real_join(secret, "run-r")
+    heard: list[bytes] = []
+
+    async def replay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(recorded.from_coordinator)
+        with contextlib.suppress(ConnectionError):
+            heard.append(await reader.read(65536))
+            while await reader.read(65536):
+                pass
+        writer.close()
+
+    fake = await asyncio.start_server(replay, "127.0.0.1", 0)
+    try:
+        bridge = real_bridge(int(fake.sockets[0].getsockname()[1]), secret, "run-r")
+        with pytest.raises(FrameError, match="bad auth tag"):
+            await asyncio.to_thread(bridge.start)
+        assert bridge.accepted is None
+        await asyncio.to_thread(bridge.close)
+        assert heard and heard[0][:NONCE_BYTES] != recorded.from_rank[:NONCE_BYTES]
+    finally:
+        fake.close()
+        await fake.wait_closed()
 
 
 @pytest.mark.uvloop
@@ -548,7 +649,7 @@ async def test_a_frame_replayed_by_a_proxy_inside_a_connection_closes_it(
             lost = await asyncio.to_thread(bridge.lost.wait, 15.0)
         assert lost, "the coordinator kept the connection that replayed a frame"
         assert re.search(r"closing \S+ \(rank 0\): bad frame: bad auth tag", caplog.text)
-        assert isinstance(decode_frame(proxy.frames[1], secret, seq=1), Heartbeat)
+        assert isinstance(decode_frame(proxy.frames[1], proxy_key(proxy, secret), seq=1), Heartbeat)
     finally:
         await asyncio.to_thread(bridge.close)
         await proxy.close()
@@ -563,19 +664,23 @@ async def test_a_replayed_sequence_number_closes_the_connection(
 ) -> None:
     secret = os.urandom(32)
     service = await start_coordinator(secret, "run-f")
-    hello = encode_frame(
-        Hello(run_id="run-f", rank=0, world_size=2, model_signature=SIGNATURE), secret, seq=0
-    )
-    beat = encode_frame(Heartbeat(rank=0, step=1), secret, seq=1)
-    second = {
-        "same_frame_twice": beat,  # seq 1 again where 2 is expected
-        "hello_again": hello,  # seq 0 again
-        "future_seq": encode_frame(Heartbeat(rank=0, step=2), secret, seq=5),
-    }[replay]
+
+    def frames(key: bytes) -> bytes:
+        hello = encode_frame(
+            Hello(run_id="run-f", rank=0, world_size=2, model_signature=SIGNATURE), key, seq=0
+        )
+        beat = encode_frame(Heartbeat(rank=0, step=1), key, seq=1)
+        second = {
+            "same_frame_twice": beat,  # seq 1 again where 2 is expected
+            "hello_again": hello,  # seq 0 again
+            "future_seq": encode_frame(Heartbeat(rank=0, step=2), key, seq=5),
+        }[replay]
+        return hello + beat + second
+
     try:
         with caplog.at_level(logging.WARNING, logger="flodl.service.server"):
-            reply = await send_raw(service.port, hello + beat + second)
-        accept = decode_frame(reply[: _first_len(reply)], secret)
+            key, reply = await send_keyed(service.port, secret, frames)
+        accept = decode_frame(reply[: _first_len(reply)], key)
         assert isinstance(accept, Accept)
         assert re.search(r"closing \S+ \(rank 0\): bad frame: bad auth tag", caplog.text)
     finally:
@@ -667,14 +772,19 @@ async def test_a_live_hello_with_its_last_tag_byte_flipped_is_refused(
 ) -> None:
     secret = os.urandom(32)
     service = await start_coordinator(secret, "run-g")
-    hello = encode_frame(
-        Hello(run_id="run-g", rank=0, world_size=2, model_signature=SIGNATURE), secret
-    )
+
+    def hello(key: bytes) -> bytes:
+        return encode_frame(
+            Hello(run_id="run-g", rank=0, world_size=2, model_signature=SIGNATURE), key
+        )
+
     try:
         with caplog.at_level(logging.WARNING, logger="flodl.service.server"):
-            assert await send_raw(service.port, _flip_last(hello)) == b""
-            reply = await send_raw(service.port, hello, limit_s=1.0)  # the genuine one joins
+            _, refused = await send_keyed(service.port, secret, lambda k: _flip_last(hello(k)))
+            assert refused == b""
+            # the genuine one joins
+            key, reply = await send_keyed(service.port, secret, hello, limit_s=1.0)
         assert "bad first frame: bad auth tag" in caplog.text
-        assert isinstance(decode_frame(reply[: _first_len(reply)], secret), Accept)
+        assert isinstance(decode_frame(reply[: _first_len(reply)], key), Accept)
     finally:
         await service.close()

@@ -34,6 +34,15 @@ import pytest
 from flodl.errors import CoordinatorLost, FrameError, LocalProtocolError, RemoteProtocolError
 from flodl.rank.bridge import HARD_EXIT_CODE, RankBridge
 from flodl.wire.codec import AnyFrame
+from flodl.wire.control_hello import (
+    CHALLENGE_BYTES,
+    CHALLENGE_MAGIC,
+    CONTROL_PROTOCOL_VERSION,
+    NONCE_BYTES,
+    connection_key,
+    encode_challenge,
+    new_nonce,
+)
 from flodl.wire.frames import (
     Accept,
     CoordFrame,
@@ -99,7 +108,9 @@ class FakeCoordinator:
 
     ``received`` gets ``(time.monotonic(), frame)`` for every frame from a rank, and
     ``(time, None)`` when a connection ends. ``reply`` maps the Hello to the handshake answer
-    (``None``: stay silent); a Reject closes the connection after it is sent. ``eof_seen`` is
+    (``None``: stay silent); a Reject closes the connection after it is sent. ``challenge``
+    makes the bytes it sends at accept (a real challenge by default; the frames are then keyed
+    with the connection key, else with the secret). ``eof_seen`` is
     set when a rank half-closes its side; with ``close_on_eof=False`` the coordinator then
     keeps its own side open (and silent) until :meth:`stop`.
     """
@@ -111,8 +122,10 @@ class FakeCoordinator:
         secret: bytes = SECRET,
         port: int = 0,
         close_on_eof: bool = True,
+        challenge: Callable[[], bytes] = encode_challenge,
     ) -> None:
         self._reply = reply
+        self._challenge = challenge
         self._secret = secret
         self._port = port
         self._close_on_eof = close_on_eof
@@ -244,8 +257,14 @@ class FakeCoordinator:
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
-        fr, fw = FrameReader(reader, self._secret), FrameWriter(writer, self._secret)
         try:
+            challenge = self._challenge()
+            writer.write(challenge)
+            nonce = await reader.readexactly(NONCE_BYTES)
+            key = self._secret
+            if len(challenge) == CHALLENGE_BYTES:
+                key = connection_key(self._secret, challenge[-NONCE_BYTES:], nonce)
+            fr, fw = FrameReader(reader, key), FrameWriter(writer, key)
             hello = await fr.read()
             if not isinstance(hello, Hello):
                 return
@@ -263,7 +282,7 @@ class FakeCoordinator:
             if not self._close_on_eof:
                 assert self._stop is not None
                 await self._stop.wait()
-        except (FrameError, OSError):
+        except (FrameError, OSError, asyncio.IncompleteReadError):
             pass
         finally:
             self._handlers.discard(task)
@@ -357,6 +376,49 @@ def test_wrong_secret_fails_the_handshake(make_bridge: BridgeFactory) -> None:
         bridge = make_bridge(server.port)
         with pytest.raises(CoordinatorLost, match="handshake"):
             bridge.start()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("challenge", "match"),
+    [
+        (
+            b"HTTP/1.1 400 " + new_nonce()[:11],
+            r"not a flodl coordinator: its first bytes are b'HTTP'",
+        ),
+        (
+            CHALLENGE_MAGIC + struct.pack("!I", 2) + new_nonce(),
+            f"speaks control protocol version 2, this build {CONTROL_PROTOCOL_VERSION}",
+        ),
+    ],
+    ids=["wrong-magic", "other-version"],
+)
+def test_a_bad_challenge_fails_the_handshake_with_a_clear_error(
+    make_bridge: BridgeFactory, challenge: bytes, match: str
+) -> None:
+    server = FakeCoordinator(challenge=lambda: challenge).start()
+    try:
+        bridge = make_bridge(server.port)
+        with pytest.raises(
+            CoordinatorLost, match=rf"bad handshake from 127\.0\.0\.1:\d+: .*{match}"
+        ):
+            bridge.start()
+        assert server.next_frame(Hello)[1] is None  # the connection ended without a hello
+    finally:
+        server.stop()
+
+
+def test_a_coordinator_without_a_challenge_fails_after_liveness_timeout(
+    make_bridge: BridgeFactory,
+) -> None:
+    server = FakeCoordinator(challenge=lambda: b"").start()
+    try:
+        bridge = make_bridge(server.port, liveness_timeout_s=0.3, connect_timeout_s=30.0)
+        t0 = time.monotonic()
+        with pytest.raises(CoordinatorLost, match=r"no handshake reply .* within 0\.3 s"):
+            bridge.start()
+        assert time.monotonic() - t0 >= 0.29
     finally:
         server.stop()
 

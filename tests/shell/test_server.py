@@ -43,6 +43,7 @@ from flodl.errors import FrameError, LocalProtocolError
 from flodl.service.server import CoordinatorServer
 from flodl.timeouts import HEARTBEAT_INTERVAL_S, Timeouts
 from flodl.wire.codec import AnyFrame, auth_tag, encode_frame
+from flodl.wire.control_hello import CHALLENGE_BYTES, CHALLENGE_MAGIC, parse_challenge
 from flodl.wire.frames import (
     PROTOCOL_VERSION,
     Accept,
@@ -58,7 +59,7 @@ from flodl.wire.frames import (
     Shutdown,
     StartEpoch,
 )
-from flodl.wire.stream import FrameReader, FrameWriter
+from flodl.wire.stream import FrameReader, FrameWriter, client_handshake
 
 SECRET = b"server-test-secret-0123456789abcdef"
 WRONG_SECRET = b"another-secret-0123456789abcdefghij"
@@ -131,12 +132,13 @@ def rank_lost(rank: int) -> Callable[[Alert], bool]:
 
 @dataclass(eq=False)
 class FakeRank:
-    """One client connection speaking authenticated frames."""
+    """One client connection speaking authenticated frames (under ``key``, the connection's)."""
 
     raw_reader: asyncio.StreamReader
     stream: asyncio.StreamWriter
     reader: FrameReader
     writer: FrameWriter
+    key: bytes
 
     async def send(self, frame: AnyFrame) -> None:
         await self.writer.write(frame)
@@ -179,6 +181,15 @@ class FakeRank:
             await asyncio.wait_for(self.stream.wait_closed(), WAIT_S)
 
 
+async def fake_rank(port: int, secret: bytes = SECRET, *, handshake: bool = True) -> FakeRank:
+    """A connection to ``port`` that did the rank's side of the handshake (read the challenge,
+    sent its nonce) unless ``handshake`` is false (then nothing is read or sent yet, and its
+    frames are keyed with the secret itself, as no server accepts)."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    key = await asyncio.wait_for(client_handshake(r, w, secret), WAIT_S) if handshake else secret
+    return FakeRank(r, w, FrameReader(r, key), FrameWriter(w, key), key)
+
+
 def hello(rank: int, **fields: Any) -> Hello:
     values: dict[str, Any] = {
         "run_id": RUN_ID,
@@ -198,9 +209,8 @@ class Harness:
     conns: list[FakeRank] = field(default_factory=list)
     loop_errors: list[dict[str, Any]] = field(default_factory=list)
 
-    async def connect(self, secret: bytes = SECRET) -> FakeRank:
-        r, w = await asyncio.open_connection("127.0.0.1", self.server.port)
-        conn = FakeRank(r, w, FrameReader(r, secret), FrameWriter(w, secret))
+    async def connect(self, secret: bytes = SECRET, *, handshake: bool = True) -> FakeRank:
+        conn = await fake_rank(self.server.port, secret, handshake=handshake)
         self.conns.append(conn)
         return conn
 
@@ -316,8 +326,7 @@ async def test_accept_without_ports_announces_none() -> None:
     try:
         port = await server.start()
         assert port == server.port != 0
-        r, w = await asyncio.open_connection("127.0.0.1", port)
-        conn = FakeRank(r, w, FrameReader(r, SECRET), FrameWriter(w, SECRET))
+        conn = await fake_rank(port)
         await conn.send(hello(0))
         accept = await conn.read()
         assert isinstance(accept, Accept)
@@ -406,39 +415,48 @@ async def test_wrong_secret_is_closed_without_reply(caplog: pytest.LogCaptureFix
         assert accept.rank == 0
 
 
-def _valid_tag_garbage_body() -> bytes:
+def _valid_tag_garbage_body(key: bytes) -> bytes:
     body = b"\xc1"  # a byte msgpack never uses
     header = struct.pack("!I", len(body))
-    return header + body + auth_tag(SECRET, header, body, 0)
+    return header + body + auth_tag(key, header, body, 0)
 
 
-BAD_FIRST_BYTES = [
+BAD_FIRST_BYTES = [  # what follows the nonce, made of the connection's key
     pytest.param(
-        encode_frame(Heartbeat(rank=0, step=0), SECRET), "first frame is 'heartbeat'", id="no-hello"
+        lambda key: encode_frame(Heartbeat(rank=0, step=0), key),
+        "first frame is 'heartbeat'",
+        id="no-hello",
     ),
     pytest.param(
-        encode_frame(Shutdown(), SECRET), "first frame is 'shutdown'", id="coordinator-frame"
+        lambda key: encode_frame(Shutdown(), key),
+        "first frame is 'shutdown'",
+        id="coordinator-frame",
     ),
     pytest.param(
-        struct.pack("!I", 8) + b"\xde\xad\xbe\xef" * 2 + b"\x00" * 16,
+        lambda key: struct.pack("!I", 8) + b"\xde\xad\xbe\xef" * 2 + b"\x00" * 16,
         "bad auth tag",
         id="garbage",
     ),
-    pytest.param(_valid_tag_garbage_body(), "undecodable frame body", id="undecodable-body"),
-    pytest.param(b"\xff\xff\xff\xff", "exceeds", id="oversize-4GiB-prefix"),
-    pytest.param(b"\x00\x00\x00\x00", "empty frame body", id="empty-body"),
+    pytest.param(
+        lambda key: encode_frame(hello(0), SECRET),  # keyed with the secret, as protocol 2 did
+        "bad auth tag",
+        id="secret-keyed-hello",
+    ),
+    pytest.param(_valid_tag_garbage_body, "undecodable frame body", id="undecodable-body"),
+    pytest.param(lambda key: b"\xff\xff\xff\xff", "exceeds", id="oversize-4GiB-prefix"),
+    pytest.param(lambda key: b"\x00\x00\x00\x00", "empty frame body", id="empty-body"),
 ]
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("data", "reason"), BAD_FIRST_BYTES)
+@pytest.mark.parametrize(("make", "reason"), BAD_FIRST_BYTES)
 async def test_bad_first_frame_is_closed_and_the_run_goes_on(
-    data: bytes, reason: str, caplog: pytest.LogCaptureFixture
+    make: Callable[[bytes], bytes], reason: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger=SERVER_LOGGER)
     async with serving() as h:
         bad = await h.connect()
-        await bad.send_raw(data)
+        await bad.send_raw(make(bad.key))
         assert await bad.read_until_eof() == []
         assert any(reason in m for m in server_warnings(caplog)), server_warnings(caplog)
         r0, _ = await h.join(0)
@@ -462,15 +480,67 @@ async def test_eof_inside_the_first_frame_is_closed(caplog: pytest.LogCaptureFix
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("partial", [b"", b"\x00\x00"], ids=["silent", "half-a-header"])
+async def test_eof_inside_the_nonce_is_closed(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger=SERVER_LOGGER)
+    async with serving() as h:
+        bad = await h.connect(handshake=False)
+        await bad.send_raw(b"x" * 5)
+        bad.stream.write_eof()
+        got = await asyncio.wait_for(bad.raw_reader.read(), WAIT_S)
+        assert len(got) == CHALLENGE_BYTES  # the challenge, and nothing else before EOF
+        assert await asyncio.wait_for(bad.raw_reader.read(), WAIT_S) == b""
+        assert any(
+            "bad first frame: EOF after 5 of the 16 B of the rank's nonce" in m
+            for m in server_warnings(caplog)
+        ), server_warnings(caplog)
+        _, accept = await h.join(0)
+        assert accept.rank == 0
+
+
+@pytest.mark.timeout(30)
+async def test_every_connection_gets_its_own_challenge_at_accept() -> None:
+    async with serving() as h:
+        nonces = set()
+        for _ in range(3):
+            conn = await h.connect(handshake=False)  # says nothing
+            challenge = await asyncio.wait_for(conn.raw_reader.readexactly(CHALLENGE_BYTES), WAIT_S)
+            assert challenge.startswith(CHALLENGE_MAGIC)
+            nonces.add(parse_challenge(challenge))
+        assert len(nonces) == 3
+
+
+@pytest.mark.timeout(30)
+async def test_a_hello_recorded_on_one_connection_fails_on_another(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger=SERVER_LOGGER)
+    async with serving() as h:
+        first = await h.connect()
+        recorded = encode_frame(hello(0), first.key)
+        await first.close()
+        second = await h.connect()
+        await second.send_raw(recorded)
+        assert await second.read_until_eof() == []
+        assert any("bad first frame: bad auth tag" in m for m in server_warnings(caplog))
+        assert h.machine.membership.liveness.state(0) is RankState.JOINING
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("handshake", "partial"),
+    [(True, b""), (True, b"\x00\x00"), (False, b""), (False, b"\x00" * 5)],
+    ids=["silent", "half-a-header", "no-nonce", "half-a-nonce"],
+)
 async def test_no_hello_within_the_timeout_is_closed(
-    partial: bytes, caplog: pytest.LogCaptureFixture
+    handshake: bool, partial: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger=SERVER_LOGGER)
     async with serving(hello_timeout_s=0.3) as h:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        slow = await h.connect()
+        slow = await h.connect(handshake=handshake)
+        if not handshake:
+            await asyncio.wait_for(slow.raw_reader.readexactly(CHALLENGE_BYTES), WAIT_S)
         if partial:
             await slow.send_raw(partial)
         assert await slow.read_until_eof(within=WAIT_S) == []
@@ -583,7 +653,7 @@ async def test_replayed_frame_fails_auth_and_the_rank_is_lost() -> None:
     arriving as seq 1) fail authentication."""
     async with serving() as h:
         r0, _ = await h.join(0)
-        await r0.send_raw(encode_frame(hello(0), SECRET, seq=0))
+        await r0.send_raw(encode_frame(hello(0), r0.key, seq=0))
         await r0.read_until_eof()
         _, alert = await h.sink.next_alert(rank_lost(0))
         assert "bad frame" in alert.detail and "bad auth tag" in alert.detail

@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "flodl.wire",
             "flodl.wire.frames",
             "flodl.wire.codec",
+            "flodl.wire.control_hello",
         ],
     ),
     ("core", ["flodl.coord", "flodl.coord.*", "flodl.rank.protocol"]),
