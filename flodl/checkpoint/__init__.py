@@ -62,6 +62,7 @@ from flodl.checkpoint.meta import (
     read_meta,
     resolve_tag,
     resume_state,
+    uncovered_samples,
     write_meta,
 )
 from flodl.checkpoint.torch_files import (
@@ -115,6 +116,7 @@ __all__ = [
     "resolve_tag",
     "read_meta",
     "resume_state",
+    "uncovered_samples",
     # S.rank<N>.death.json
     "DEATH_SCHEMA_VERSION",
     "DeathRecord",

@@ -39,7 +39,8 @@ from pydantic import (
 from flodl.checkpoint.files import is_int, meta_path, remove_superseded, write_or_raise
 from flodl.coord.elche_state import ElCheState
 from flodl.coord.resume import META_SCHEMA_VERSION, TAG_PATTERN, ResumeState
-from flodl.errors import CheckpointError, ConfigError
+from flodl.errors import CheckpointError, ConfigError, LocalProtocolError
+from flodl.sampling import epoch_slice, index_space, permutation, pick_to_sample
 from flodl.wire.frames import SaveReason
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "resolve_tag",
     "read_meta",
     "resume_state",
+    "uncovered_samples",
     "validation_problem",
 ]
 
@@ -356,3 +358,43 @@ def resume_state(
         elche=meta.elche,
         uncovered=uncovered,
     )
+
+
+def uncovered_samples(
+    meta: CheckpointMeta, dataset_len: int, *, augment: int = 1
+) -> list[int] | None:
+    """The dataset indices that the epoch a resume restarts at (``meta.epoch``) still has to
+    train: the coverage block's uncovered ranges (positions in that epoch's shuffle order)
+    mapped through the shared shuffle (:mod:`flodl.sampling`), range by range, in shuffle
+    order. With ``augment > 1`` a sample appears once per view still to train.
+
+    Returns:
+        The indices, or ``None`` when the meta has no coverage entry for ``meta.epoch`` (that
+        epoch restarts whole: every sample of it).
+
+    Raises:
+        CheckpointError: ``dataset_len`` or ``augment`` give the epoch another size than the
+            one saved (another dataset).
+    """
+    cov = meta.coverage
+    entry = None if cov is None else next((e for e in cov.per_epoch if e.epoch == meta.epoch), None)
+    if cov is None or entry is None:
+        return None
+    where = meta.source if meta.source is not None else "checkpoint meta"
+    try:
+        space = index_space(dataset_len, augment)
+        data_pass, start, stop = epoch_slice(meta.epoch, space, cov.epoch_splits)
+    except LocalProtocolError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+    whole = (stop - start) // cov.batch_size * cov.batch_size
+    if whole != entry.total_samples:
+        raise CheckpointError(
+            f"{where}: epoch {meta.epoch} had {entry.total_samples} samples at the save; a "
+            f"dataset of {dataset_len} (augment {augment}) gives it {whole}: another dataset"
+        )
+    perm = permutation(space, data_pass, cov.seed)
+    return [
+        pick_to_sample(perm[start + i], augment)[0]
+        for offset, size in sorted(entry.uncovered_ranges)
+        for i in range(offset, offset + size)
+    ]

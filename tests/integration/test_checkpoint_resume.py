@@ -25,7 +25,6 @@ import torch
 
 from flodl import checkpoint
 from flodl.errors import CheckpointError
-from flodl.sampling import epoch_slice, index_space, permutation
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +32,6 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "callbacks_main.py"
 REPO = HERE.parents[1]
 BS = 32
-SEED = 42
 
 
 def run(tmp: Path, name: str, *args: str, limit_s: float = 150) -> subprocess.CompletedProcess[str]:
@@ -87,13 +85,6 @@ def split_epochs(log_dir: Path, ms: Sequence[dict[str, Any]], world: int) -> dic
     return out
 
 
-def epoch_ids(samples: int, epoch: int, ranges: Sequence[Sequence[int]]) -> list[int]:
-    space = index_space(samples, 1)
-    data_pass, start, _ = epoch_slice(epoch, space, 1)
-    perm = permutation(space, data_pass, SEED)
-    return [perm[start + i] for o, n in ranges for i in range(o, o + n)]
-
-
 def final_matches_bundle(out_file: Path, stem: Path) -> bool:
     saved = checkpoint.load_model(stem)
     state = torch.load(out_file, weights_only=True)
@@ -128,8 +119,8 @@ def test_shutdown_with_save_then_resume_trains_each_uncovered_sample_once(tmp_pa
         assert meta.coverage is not None
         [interrupted] = meta.coverage.per_epoch
         e = interrupted.epoch
-        uncovered = [list(r) for r in interrupted.uncovered_ranges]
-        todo = epoch_ids(n, e, uncovered)
+        todo = checkpoint.uncovered_samples(meta, n)  # the public map: checked against run B
+        assert todo is not None
         # join() raised, naming the reason and the exact call that resumes
         [stopped] = [line for line in a.stdout.splitlines() if line.startswith("STOPPED ")]
         assert "training stopped (max_failure_exceeded): 1 of 3 ranks dead" in stopped, stopped

@@ -1087,3 +1087,34 @@ def test_a_meta_without_a_tag_reads_the_original_layout(tmp_path: Path) -> None:
 def test_a_meta_with_a_bad_tag_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="bundle_tag"):
         ck.write_meta(tmp_path / "run", meta_dict(bundle_tag="../../etc"))
+
+
+# --- uncovered samples: the coverage ranges as dataset indices ---------------------------------
+
+
+def _coverage_meta(ranges: list[tuple[int, int]], *, total: int, entry_epoch: int = 1) -> Any:
+    """A meta resuming at epoch 1, with a coverage entry for ``entry_epoch``."""
+    entry = {"epoch": entry_epoch, "total_samples": total, "uncovered_ranges": ranges}
+    coverage = {"seed": 7, "batch_size": 4, "epoch_splits": 2, "per_epoch": [entry]}
+    return ck.CheckpointMeta.model_validate(meta_dict(epoch=1, coverage=coverage))
+
+
+def test_uncovered_ranges_map_to_the_dataset_indices_of_the_shuffle() -> None:
+    from flodl.sampling import epoch_slice, permutation
+
+    # 41 samples, 2 splits: epoch 1 is the second half of data pass 0 (20 picks, 5 batches)
+    meta = _coverage_meta([(12, 8), (0, 4)], total=20)
+    data_pass, start, _ = epoch_slice(1, 41, 2)
+    perm = permutation(41, data_pass, 7)
+    want = [perm[start + i] for i in (*range(4), *range(12, 20))]
+    assert ck.uncovered_samples(meta, 41) == want
+    twice = _coverage_meta([(0, 8)], total=40)  # augment 2: picks are (sample, view) pairs
+    got = ck.uncovered_samples(twice, 41, augment=2)
+    assert got is not None and all(0 <= s < 41 for s in got) and len(got) == 8
+
+
+def test_uncovered_samples_without_an_entry_and_for_another_dataset() -> None:
+    # no entry for epoch 1: it restarts whole
+    assert ck.uncovered_samples(_coverage_meta([], total=20, entry_epoch=0), 41) is None
+    with pytest.raises(CheckpointError, match="had 20 samples at the save; a dataset of 100"):
+        ck.uncovered_samples(_coverage_meta([(0, 4)], total=20), 100)
