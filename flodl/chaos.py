@@ -249,35 +249,24 @@ class RankChaos:
         fault = self._armed.pop("delay_reduce", None)
         if fault is not None:
             time.sleep(fault.duration_s)
-        if self._armed.pop("kill_in_reduce", None) is not None:
-            self._record("kill_in_reduce", None)
-            os.kill(os.getpid(), signal.SIGKILL)
+        self._kill_if_armed("kill_in_reduce")
 
     def in_callback(self) -> None:
-        if self._armed.pop("kill_in_callback", None) is not None:
-            self._record("kill_in_callback", None)
-            os.kill(os.getpid(), signal.SIGKILL)
+        self._kill_if_armed("kill_in_callback")
 
     def in_save(self) -> None:
         """Between the optimizer state and the model file of a bundle save."""
-        if self._armed.pop("kill_in_checkpoint", None) is not None:
-            self._record("kill_in_checkpoint", None)
-            os.kill(os.getpid(), signal.SIGKILL)
+        self._kill_if_armed("kill_in_checkpoint")
 
     def after_save(self, *, wrote_model: bool) -> None:
         """After this rank's part of a bundle is on disk, before it reports it."""
-        if self._armed.pop("kill_after_save", None) is not None:
-            self._record("kill_after_save", None)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if wrote_model and self._armed.pop("kill_coordinator_in_save", None) is not None:
-            self._record("kill_coordinator_in_save", None)
-            os.kill(os.getppid(), signal.SIGKILL)
+        self._kill_if_armed("kill_after_save")
+        if wrote_model:
+            self._kill_if_armed("kill_coordinator_in_save", os.getppid())
 
     def in_reform(self) -> None:
         """Before this rank arrives at a new collective session's barrier."""
-        if self._armed.pop("kill_in_reform", None) is not None:
-            self._record("kill_in_reform", None)
-            os.kill(os.getpid(), signal.SIGKILL)
+        self._kill_if_armed("kill_in_reform")
 
     def final_params(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The final parameters this rank delivers (``skew_final``: the first one skewed)."""
@@ -287,6 +276,13 @@ class RankChaos:
         return [params[0] + 1e-3, *params[1:]]
 
     # ------------------------------------------------------------------ faults
+    def _kill_if_armed(self, kind: str, pid: int | None = None) -> None:
+        """Fire the armed hook fault ``kind``: record it, then SIGKILL ``pid`` (this process
+        unless given; the launcher for ``kill_coordinator_in_save``)."""
+        if self._armed.pop(kind, None) is not None:
+            self._record(kind, None)
+            os.kill(os.getpid() if pid is None else pid, signal.SIGKILL)
+
     def _fire(self, fault: Fault, step: int) -> None:
         kind = fault.kind
         if kind in _AT_A_HOOK:
