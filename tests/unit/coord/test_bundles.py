@@ -27,6 +27,18 @@ from flodl.wire.frames import (
 )
 
 
+def checkpointing(*, world_size: int, dataset_len: int) -> Cluster:
+    """A joined cpu_cadence cohort that saves a bundle after each of its two epochs."""
+    return joined(
+        "cpu_cadence",
+        world_size=world_size,
+        dataset_len=dataset_len,
+        save_bundles=True,
+        checkpoint_every=1,
+        num_epochs=2,
+    )
+
+
 def first_bundle(c: Cluster) -> list[Any]:
     """Run until the first bundle request; return its effects."""
     c.run(until=lambda: any(isinstance(e, BundleRequested) for e in c.trace))
@@ -35,14 +47,7 @@ def first_bundle(c: Cluster) -> list[Any]:
 
 
 def test_a_checkpoint_asks_every_rank_and_the_meta_waits_for_the_model() -> None:
-    c = joined(
-        "cpu_cadence",
-        world_size=3,
-        dataset_len=960,
-        save_bundles=True,
-        checkpoint_every=1,
-        num_epochs=2,
-    )
+    c = checkpointing(world_size=3, dataset_len=960)
     effects = first_bundle(c)
     req = sends(effects, SaveConsensusModel)
     assert sorted(r for r, _ in req) == [0, 1, 2]
@@ -62,14 +67,7 @@ def test_a_checkpoint_asks_every_rank_and_the_meta_waits_for_the_model() -> None
 
 
 def test_a_writer_that_fails_hands_the_model_file_to_the_next_live_rank() -> None:
-    c = joined(
-        "cpu_cadence",
-        world_size=3,
-        dataset_len=960,
-        save_bundles=True,
-        checkpoint_every=1,
-        num_epochs=2,
-    )
+    c = checkpointing(world_size=3, dataset_len=960)
     [(_, first)] = sends(first_bundle(c), SaveConsensusModel)[:1]
     retry = c.coord.handle(BundleSaved(rank=0, version=0, error="disk full"), c.clock.now)
     expected = SaveConsensusModel(
@@ -91,14 +89,7 @@ def test_a_writer_that_fails_hands_the_model_file_to_the_next_live_rank() -> Non
 
 
 def test_every_writer_failing_alerts_and_leaves_the_previous_checkpoint() -> None:
-    c = joined(
-        "cpu_cadence",
-        world_size=2,
-        dataset_len=640,
-        save_bundles=True,
-        checkpoint_every=1,
-        num_epochs=2,
-    )
+    c = checkpointing(world_size=2, dataset_len=640)
     first_bundle(c)
     c.coord.handle(BundleSaved(rank=0, version=0, error="read-only"), 0.0)
     last = c.coord.handle(BundleSaved(rank=1, version=0, error="read-only"), 0.0)
@@ -108,14 +99,7 @@ def test_every_writer_failing_alerts_and_leaves_the_previous_checkpoint() -> Non
 
 
 def test_a_model_written_without_its_optimizer_state_still_commits_and_alerts() -> None:
-    c = joined(
-        "cpu_cadence",
-        world_size=2,
-        dataset_len=640,
-        save_bundles=True,
-        checkpoint_every=1,
-        num_epochs=2,
-    )
+    c = checkpointing(world_size=2, dataset_len=640)
     first_bundle(c)
     out = c.coord.handle(BundleSaved(rank=0, version=0, model=True, error="optim: EIO"), 0.0)
     assert len(of(out, WriteMeta)) == 1
@@ -150,14 +134,7 @@ def test_a_resumed_coordinator_tells_ranks_the_global_step_before_any_work() -> 
 
 
 def test_every_save_has_its_own_tag_and_the_meta_names_it() -> None:
-    c = joined(
-        "cpu_cadence",
-        world_size=2,
-        dataset_len=640,
-        save_bundles=True,
-        checkpoint_every=1,
-        num_epochs=2,
-    )
+    c = checkpointing(world_size=2, dataset_len=640)
     c.run()
     requests = [f for _, f in sends(c.trace, SaveConsensusModel)]
     tags = {f.version: f.tag for f in requests}
