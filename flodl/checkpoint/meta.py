@@ -348,9 +348,9 @@ def resume_state(
                     f"{where}: the checkpoint was made with {name} {saved}, this run uses "
                     f"{ours}: resume needs the same {name}"
                 )
-        for entry in cov.per_epoch:
-            if entry.epoch == meta.epoch:
-                uncovered = tuple(sorted((o, n) for o, n in entry.uncovered_ranges))
+        entry = _resumed_entry(meta)
+        if entry is not None:
+            uncovered = tuple(sorted((o, n) for o, n in entry.uncovered_ranges))
     return ResumeState(
         epoch=meta.epoch,
         global_step=meta.global_step,
@@ -376,8 +376,7 @@ def uncovered_samples(
         CheckpointError: ``dataset_len`` or ``augment`` give the epoch another size than the
             one saved (another dataset).
     """
-    cov = meta.coverage
-    entry = None if cov is None else next((e for e in cov.per_epoch if e.epoch == meta.epoch), None)
+    cov, entry = meta.coverage, _resumed_entry(meta)
     if cov is None or entry is None:
         return None
     where = meta.source if meta.source is not None else "checkpoint meta"
@@ -398,3 +397,10 @@ def uncovered_samples(
         for offset, size in sorted(entry.uncovered_ranges)
         for i in range(offset, offset + size)
     ]
+
+
+def _resumed_entry(meta: CheckpointMeta) -> EpochCoverage | None:
+    """The coverage entry of the epoch a resume restarts at, if the meta has one."""
+    if meta.coverage is None:
+        return None
+    return next((e for e in meta.coverage.per_epoch if e.epoch == meta.epoch), None)
