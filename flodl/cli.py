@@ -142,6 +142,14 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         ),
     )
     p.add_argument("--cluster", required=True, help="path of the fdl.cluster.yml")
+    p.add_argument(
+        "--respawn",
+        type=int,
+        default=None,
+        metavar="N",
+        help="restart a rank process that fails, up to N times per rank, without restarting "
+        "the others; it rejoins the run (CPU-averaging modes; overrides TrainerConfig.respawn)",
+    )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- python train.py [args]")
     p.set_defaults(command=_run_launch)
 
@@ -194,6 +202,15 @@ def _run_launch(args: argparse.Namespace) -> int:
         print(f"flodl launch: error: {exc}", file=sys.stderr)
         return 2
     env = {**os.environ, CLUSTER_ENV_VAR: cluster.to_env_json(), "FLODL_PREFIX_OUTPUT": "1"}
+    if args.respawn is not None:
+        if not 0 <= args.respawn <= 1000:
+            print(
+                f"flodl launch: error: --respawn {args.respawn}: expected 0..1000", file=sys.stderr
+            )
+            return 2
+        from flodl.launch.env import ENV_RESPAWN
+
+        env[ENV_RESPAWN] = str(args.respawn)
     code = _run_forwarding("launch", cmd, env)
     return 2 if code is None else code
 

@@ -99,7 +99,7 @@ class LocalRun:
 
     # ------------------------------------------------------------------ resume
     def _resume(self, stem: str) -> None:
-        meta = checkpoint.read_meta(stem, world_size=1)
+        meta = checkpoint.read_meta(stem)
         state = checkpoint.resume_state(
             meta,
             seed=self.job.seed,

@@ -30,7 +30,7 @@ from flodl.sampling import SHUFFLE_BASE_SEED
 from flodl.timeouts import DEFAULT_HEARTBEAT_TIMEOUT_S, Timeouts
 from flodl.wire.frames import EpochMetrics
 
-__all__ = ["TrainerConfig", "coord_config", "monitor_session"]
+__all__ = ["TrainerConfig", "coord_config", "monitor_session", "respawn_problem"]
 
 
 class TrainerConfig(BaseModel):
@@ -47,6 +47,9 @@ class TrainerConfig(BaseModel):
     lr_scale_ratio: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1.0
     metrics_fn: Callable[[EpochMetrics], None] | None = None
     max_failure: MaxFailure | None = None
+    respawn: Annotated[int, Field(ge=0, le=1000)] = 0
+    """A launcher restarts a failed rank process up to this many times per rank (it rejoins;
+    CPU-averaging modes only; ``flodl launch --respawn N`` sets it for a cluster)."""
     heartbeat_timeout: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = (
         DEFAULT_HEARTBEAT_TIMEOUT_S
     )
@@ -65,7 +68,8 @@ class TrainerConfig(BaseModel):
     ``<stem>.fdl``, ``<stem>.rank<N>.optim``, ``<stem>.meta.json`` (and ``<stem>.outer.fdl``);
     death records go to ``<stem>.rank<N>.death.json``."""
     resume_from: str | None = None
-    """Bundle stem to resume from (same world size, seed, batch size and epoch splits)."""
+    """Bundle stem to resume from: any world size, but the same model, seed, batch size and
+    epoch splits (docs/design.md §6, "Resume at another world size")."""
     checkpoint_every: Annotated[int, Field(ge=1)] | None = None
     """Save a bundle (and call ``checkpoint_fn``) after every n-th epoch."""
     checkpoint_at_epoch: Annotated[int, Field(ge=0)] | None = None
@@ -128,6 +132,9 @@ class TrainerConfig(BaseModel):
             raise ValueError(
                 f"epoch_callback_policy Rank({policy}) is out of range for {world} rank(s)"
             )
+        problem = respawn_problem(self.respawn, self.elche)
+        if problem is not None:
+            raise ValueError(problem)
         if self.eval_fn is None and (self.eval_result_fn is not None or self.eval_every):
             raise ValueError("eval_result_fn / eval_every need an eval_fn")
         core = sorted(set(self.scalar_reductions) & set(REDUCTIONS))
@@ -136,6 +143,16 @@ class TrainerConfig(BaseModel):
                 f"scalar_reduction: {core} are framework metrics with fixed reductions"
             )
         return self
+
+
+def respawn_problem(respawn: int, elche: ElCheConfig) -> str | None:
+    """Why ``respawn`` restarts cannot be honoured in ``elche``'s mode (None: they can)."""
+    if respawn and not elche.traits.cpu_averaging:
+        return (
+            f"respawn needs a CPU-averaging mode (cpu_sync, cpu_cadence, cpu_async): a rank of "
+            f"{elche.mode} cannot rejoin its collective group"
+        )
+    return None
 
 
 def coord_config(

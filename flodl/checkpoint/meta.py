@@ -129,7 +129,7 @@ class CheckpointMeta(JsonModel):
         epoch: the epoch to resume (the first open one at the save).
         global_step: optimizer steps over the run.
         sync_round: averaging rounds finished.
-        world_size_at_save: the run's world size; a resume needs the same one.
+        world_size_at_save: the run's world size (a resume may use another one).
         save_reason: one of :data:`SAVE_REASONS`.
         elche_state: :meth:`~flodl.coord.elche_state.ElCheState.to_dict` (+ ``trend_history``, v3);
             absent in v1 metas.
@@ -288,18 +288,19 @@ def read_meta(stem: str | os.PathLike[str], *, world_size: int | None = None) ->
 
     Args:
         stem: the bundle stem (or one of its files).
-        world_size: this run's world size; when given it must equal ``world_size_at_save``.
+        world_size: when given, the world size the caller expects the bundle to have been
+            saved at (a check for tools and tests: a resume itself takes any world size).
 
     Raises:
         CheckpointError: the file is missing, not JSON, not an object, from a newer schema,
-            has invalid fields (named), or was saved with another world size.
+            has invalid fields (named), or was saved at another world size than
+            ``world_size``.
     """
     path = meta_path(stem)
     meta = read_json_model(path, CheckpointMeta, "checkpoint meta", META_SCHEMA_VERSION)
     if world_size is not None and meta.world_size_at_save != world_size:
         raise CheckpointError(
-            f"{path}: saved with world size {meta.world_size_at_save}, this run has "
-            f"{world_size}: resume needs the same world size"
+            f"{path}: saved with world size {meta.world_size_at_save}, {world_size} was expected"
         )
     meta._source = path
     return meta
@@ -357,6 +358,7 @@ def resume_state(
         sync_round=meta.sync_round,
         elche=meta.elche,
         uncovered=uncovered,
+        world_size_at_save=meta.world_size_at_save,
     )
 
 

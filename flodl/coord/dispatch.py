@@ -162,10 +162,11 @@ class Dispatch:
 
     # ------------------------------------------------------------------ the count gate
     def cohort(self) -> tuple[list[int], list[bool], int]:
-        """(counts ≥ 1 for live ranks and 0 for the dead, live mask, Σ counts), cached until
-        ElChe's counts or the membership change (reading them per dispatch would be O(W))."""
+        """(counts ≥ 1 for ranks that train and 0 for the others — dead, or rejoined and
+        awaiting the consensus —, that mask, Σ counts), cached until ElChe's counts or the
+        membership change (reading them per dispatch would be O(W))."""
         if self._cohort_cache is None:
-            alive = self.membership.alive_mask()
+            alive = self.membership.training_mask()
             counts = [
                 max(1, c) if a else 0 for c, a in zip(self.elche.batch_counts, alive, strict=True)
             ]
@@ -230,7 +231,7 @@ class Dispatch:
         sizes = partition_sizes(
             work.remaining(),
             self.config.world_size,
-            alive=self.membership.alive_mask(),
+            alive=self.membership.training_mask(),
             ms_per_batch=self.elche.smoothed_ms if calibrated else None,
             ratios=self.config.elche.partition_ratios,
             proportional=self.traits.speed_proportional and calibrated,
@@ -280,7 +281,7 @@ class Dispatch:
     def take_chunk(self, rank: int, now: float, out: list[Effect]) -> EpochPlan | None:
         """Take ``rank``'s next progressive chunk from the ledger (not sent: the caller sends it,
         alone or folded into an ``update``); None when the pacing rules hold it."""
-        if not self.membership.is_alive(rank):
+        if not self.membership.trains(rank):
             return None
         barrier = self._barrier
         if barrier and (self.cycle.pending or self.in_flight(rank) > 0):
@@ -361,7 +362,7 @@ class Dispatch:
     def forfeit(self, rank: int, out: list[Effect], *, redistribute: bool = True) -> None:
         """Return the dead rank's uncommitted work: to the pool (progressive, or when the run
         is shutting down), else split among survivors with ``extend_partition``."""
-        alive = self.membership.alive()
+        alive = self.membership.training()
         for epoch, work in sorted(self.works.items()):
             returned = work.forfeit(rank)
             if not returned or self.progressive or not alive or not redistribute:

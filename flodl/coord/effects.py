@@ -18,6 +18,7 @@ __all__ = [
     "Close",
     "RankDead",
     "RankLeft",
+    "RankRejoined",
     "OpenReduce",
     "WriteMeta",
     "BundleRequested",
@@ -67,6 +68,16 @@ class RankDead:
 
     rank: int
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RankRejoined:
+    """A dead ``rank`` came back as incarnation ``incarnation``: the reduce server takes its
+    data connection again (executed before the ``accept`` goes out, so the rank's data hello
+    never races it)."""
+
+    rank: int
+    incarnation: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +168,7 @@ Effect = (
     | Close
     | RankDead
     | RankLeft
+    | RankRejoined
     | OpenReduce
     | WriteMeta
     | BundleRequested

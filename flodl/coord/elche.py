@@ -51,8 +51,9 @@ Choices (where the original is silent or ambiguous):
 - Dead ranks (:meth:`ElChe.mark_dead`) get count 0, lose their trust ring, are skipped by the
   timing feed, excluded from election, from ``relax_anchor_up``'s speed spread, from the window
   cap's sum and floor and from ``has_speed_hint``; if the anchor rank dies the anchor is re-elected
-  at once from the alive ranks with readings (or left unset until the next report). Death is final:
-  there is no revive.
+  at once from the alive ranks with readings (or left unset until the next report).
+  :meth:`ElChe.revive` brings a rejoined rank back with no reading (the anchor's count, then
+  its first report measures it).
 - :meth:`ElChe.restore` clamps the saved anchor to the configured ``max_anchor`` (knobs come from
   config on resume) and recomputes ``batch_counts`` from the restored trajectory without the dead
   zone, so a resumed run starts on proportional counts instead of equal ones.
@@ -494,6 +495,24 @@ class ElChe:
         if slow_ms > 0:
             self.recompute_batch_counts(slow_ms)
 
+    def revive(self, rank: int) -> None:
+        """A dead ``rank`` rejoined (docs/design.md §2, "Rejoin"): alive again with no
+        reading, so it runs the anchor's count (its calibration window) until its first
+        report measures it. A no-op for a live rank.
+
+        Raises:
+            LocalProtocolError: ``rank`` is out of range.
+        """
+        if not 0 <= rank < self._world_size:
+            raise LocalProtocolError(f"revive: rank {rank} out of range 0..{self._world_size}")
+        if self._alive[rank]:
+            return
+        self._alive[rank] = True
+        self._rings[rank].samples.clear()
+        self._misses[rank] = 0
+        self._batch_counts[rank] = self._anchor
+        self._recompute_if_measured()
+
     # ------------------------------------------------------------------ timing feed
 
     def report_window(self, report: WindowReport, *, delivered_capable: bool) -> None:
@@ -769,7 +788,9 @@ class ElChe:
         self._proposal = None
         self._pending_fill_ms = [0.0] * self._world_size
         self._pending_slack_ms = [0.0] * self._world_size
-        if self._anchor_rank is not None and not self._alive[self._anchor_rank]:
+        if self._anchor_rank is None or not self._alive[self._anchor_rank]:
+            # dead at the save, or dropped by a resize (ElCheState.resized): elect among the
+            # ranks with readings
             self._anchor_rank = None
             self._anchor_rank = self._elect_anchor()
         self._calibrated = False

@@ -231,6 +231,35 @@ class ElCheState:
         if self.trend_history is not None and not all(is_number(v) for v in self.trend_history):
             raise ConfigError(f"trend_history must hold numbers, got {self.trend_history!r}")
 
+    def resized(self, world_size: int) -> ElCheState:
+        """This trajectory for a run of ``world_size`` ranks (a resume at another world size,
+        docs/design.md §6, "Resume at another world size").
+
+        Ranks that exist in both keep their speed; ranks that did not exist at the save get 0
+        (no reading: ElChe gives them the anchor's count, a calibration window, and their first
+        report measures them); ranks past ``world_size`` are dropped, and so is an anchor rank
+        among them (the next report elects one). The anchor, phase, calibration count and
+        trend history carry over: they describe the run, not a rank.
+
+        Raises:
+            LocalProtocolError: ``world_size`` < 1.
+        """
+        if world_size < 1:
+            raise LocalProtocolError(f"resized: world_size must be >= 1, got {world_size}")
+        saved = list(self.smoothed_ms_per_batch)
+        speeds = saved[:world_size] + [0.0] * max(0, world_size - len(saved))
+        anchor_rank = self.anchor_rank
+        if anchor_rank is not None and anchor_rank >= world_size:
+            anchor_rank = None
+        return ElCheState(
+            anchor=self.anchor,
+            anchor_rank=anchor_rank,
+            smoothed_ms_per_batch=speeds,
+            phase=self.phase,
+            calibration_count=self.calibration_count,
+            trend_history=self.trend_history,
+        )
+
     def to_dict(self) -> dict[str, object]:
         """Plain JSON-ready dict with the snake_case field names."""
         return {

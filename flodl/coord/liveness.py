@@ -16,6 +16,7 @@ import enum
 from dataclasses import dataclass
 
 from flodl.config import MaxFailure
+from flodl.errors import LocalProtocolError
 from flodl.wire.frames import SaveReason
 
 __all__ = ["RankState", "Liveness", "unrecoverable_reason"]
@@ -97,6 +98,15 @@ class Liveness:
             self._deadline_at = at
         elif self._deadline_at is not None:
             self._deadline_at = min(self._deadline_at, at)
+
+    def rejoin(self, rank: int, now: float) -> None:
+        """A dead rank's new incarnation joined: dead → alive (its old connection is closed,
+        so nothing of the old incarnation can refresh it)."""
+        r = self._ranks[rank]
+        if r.state is not RankState.DEAD:
+            raise LocalProtocolError(f"rejoin: rank {rank} is {r.state.value}, not dead")
+        r.reason = ""
+        self.join(rank, now)
 
     def seen(self, rank: int, now: float) -> None:
         """Any frame from ``rank`` arrived at ``now``."""

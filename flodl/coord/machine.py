@@ -38,10 +38,12 @@ from flodl.coord.effects import (
     Effect,
     RankDead,
     RankLeft,
+    RankRejoined,
     Record,
     RefusePeer,
     Reply,
     RunOver,
+    Send,
 )
 from flodl.coord.elche import ElChe
 from flodl.coord.guards import ConvergenceGuard, MsfGuard, make_guard
@@ -56,6 +58,7 @@ from flodl.coord.resume import META_SCHEMA_VERSION, ResumeState
 from flodl.errors import LocalProtocolError, RemoteProtocolError
 from flodl.timeouts import HEARTBEAT_INTERVAL_S
 from flodl.wire.frames import (
+    Accept,
     Batch,
     BundleSaved,
     CheckpointResult,
@@ -75,6 +78,7 @@ from flodl.wire.frames import (
     Reject,
     ResourceSample,
     SaveReason,
+    SetEpochCallbackRole,
     SetGlobalStep,
     Shutdown,
     ShutdownWithSave,
@@ -117,6 +121,7 @@ class Coordinator:
         self.save_reason: SaveReason | None = None
         self.save_detail = ""
         self.membership = Membership(w, config.run_id, config.timeouts)
+        self.membership.rejoin_allowed = t.cpu_averaging
         self.elche = ElChe(
             w,
             anchor=el.anchor,
@@ -164,6 +169,9 @@ class Coordinator:
         self._join_deadline_at: float | None = None
         self._heartbeat_at: float | None = None
         self._run_over = False
+        self._resumed: ResumeState | None = None
+        self._dead_at: dict[int, float] = {}
+        self._rejoined_at: dict[int, float] = {}
         if resume is not None:
             self._seed_resume(resume)
 
@@ -304,6 +312,17 @@ class Coordinator:
         """Batches handed to ``rank`` and not yet trained, over every open epoch."""
         return self.dispatch.in_flight(rank)
 
+    def may_rejoin(self, rank: int) -> bool:
+        """Whether a ``hello`` of a new incarnation of ``rank`` would be admitted now (it is
+        dead, the mode rejoins, the run trains and is not stopping)."""
+        m = self.membership
+        return (
+            m.in_range(rank)
+            and m.is_dead(rank)
+            and m.rejoin_allowed
+            and self._rejoin_refusal() is None
+        )
+
     def meta_record(self, reason: SaveReason | str) -> dict[str, Any]:
         """The checkpoint meta as JSON-ready data (docs/design.md §2, "Meta")."""
         elche_state = self.elche.to_state().to_dict()
@@ -353,6 +372,23 @@ class Coordinator:
         self.last_progress_at = now
         self.dispatch.refresh_all()
         self.averaging.open_initial_round(out)
+        if self._resumed is not None:
+            r = self._resumed
+            out.append(
+                Record(
+                    "root",
+                    "resumed",
+                    {
+                        "epoch": r.epoch,
+                        "global_step": r.global_step,
+                        "world_size_at_save": r.world_size_at_save,
+                        "world_size": self.world_size,
+                        "uncovered_samples": (
+                            None if r.uncovered is None else sum(n for _, n in r.uncovered)
+                        ),
+                    },
+                )
+            )
         if self.averaging.global_step > 0:  # resumed: schedulers continue where the run stopped
             out.extend(
                 self.membership.broadcast(SetGlobalStep(global_step=self.averaging.global_step))
@@ -460,16 +496,79 @@ class Coordinator:
 
     def _on_hello(self, hello: Hello, now: float, out: list[Effect]) -> None:
         membership = self.membership
-        reason = membership.refusal(hello, forming=self.phase is RunPhase.FORMING)
+        reason = membership.refusal(
+            hello, forming=self.phase is RunPhase.FORMING, rejoining=self._rejoin_refusal()
+        )
         if reason is not None:
             out.append(Reply(Reject(reason=reason)))
             out.append(RefusePeer(reason))
             return
-        out.append(Reply(membership.accept(hello)))
+        accept = membership.accept(hello)
+        if hello.role != "supervisor" and membership.is_dead(hello.rank):
+            self._rejoin(hello.rank, accept, now, out)
+            return
+        out.append(Reply(accept))
         if hello.role == "supervisor":
             return
         if membership.join(hello, now):
             self._begin_training(now, out)
+
+    def _rejoin_refusal(self) -> str | None:
+        """Why a dead rank may not rejoin now (None: it may)."""
+        if self.phase is RunPhase.TRAINING and self.save_reason is None:
+            return None
+        if self.phase is RunPhase.FINAL_EVAL:
+            return "every epoch is trained (the run is in its final eval)"
+        return f"the run is {self.phase.value}"
+
+    def _rejoin(self, rank: int, accept: Accept, now: float, out: list[Effect]) -> None:
+        """A dead rank's new incarnation (docs/design.md §2, "Rejoin"): alive, awaiting the
+        consensus, which the next averaging cycle gives it (it enters with weight 0)."""
+        incarnation = self.membership.rejoin(rank, now)
+        out.append(RankRejoined(rank, incarnation))  # before the accept: its data hello
+        out.append(Reply(accept))
+        self.elche.revive(rank)
+        self.windows[rank] = RankWindow()
+        self.averaging.forget_snapshot(rank)
+        self.dispatch.invalidate_cohort()
+        self._rejoined_at[rank] = now
+        out.append(Send(rank, SetGlobalStep(global_step=self.averaging.global_step)))
+        out.append(Send(rank, SetEpochCallbackRole(rank=self.callbacks.roles.epoch_callback_role)))
+        out.append(
+            Alert(
+                "rank_rejoined",
+                self.paths[rank],
+                f"rank {rank} rejoined (incarnation {incarnation}); it trains once the next "
+                "averaging round gives it the consensus",
+                "info",
+            )
+        )
+        self._maybe_trigger(now, out)
+
+    def _caught_up(self, now: float, out: list[Effect]) -> None:
+        """Rejoined ranks that entered the cycle just finalized hold the consensus: they may
+        train from now on (the ``rank_rejoined`` record, with its timings)."""
+        if self.cycle.weight_total == 0:  # nothing realized: every rank kept its own state
+            return
+        synced = self.membership.got_consensus(set(self.cycle.acked))
+        for rank in synced:
+            at = self._rejoined_at.pop(rank, now)
+            dead_at = self._dead_at.get(rank)
+            out.append(
+                Record(
+                    self.paths[rank],
+                    "rank_rejoined",
+                    {
+                        "rank": rank,
+                        "incarnation": self.membership.incarnations[rank],
+                        "down_s": None if dead_at is None else round(at - dead_at, 3),
+                        "consensus_s": round(now - at, 3),
+                        "world_size": self.membership.alive_count(),
+                    },
+                )
+            )
+        if synced:
+            self.dispatch.invalidate_cohort()
 
     def _on_gone(self, rank: int, reason: str, now: float, out: list[Effect]) -> None:
         state = self.membership.state(rank)
@@ -493,6 +592,8 @@ class Coordinator:
         membership, dispatch = self.membership, self.dispatch
         if not membership.declare_dead(rank, reason):
             return
+        self._dead_at[rank] = now
+        self._rejoined_at.pop(rank, None)
         dispatch.gate.forget(rank)
         out.append(RankDead(rank, reason))
         out.append(Close(rank, reason))
@@ -615,6 +716,8 @@ class Coordinator:
         self.last_progress_at = now
         try:
             self._finalize(now, out)
+            if self.membership.awaiting:
+                self._caught_up(now, out)
         finally:
             self.cycle.finish()  # never fold a round twice, even if finalizing failed
         fold: dict[int, EpochPlan] = {}
@@ -690,8 +793,10 @@ class Coordinator:
         self.dispatch.seed_resume(resume)
         self.averaging.global_step = resume.global_step
         self.averaging.sync_rounds = resume.sync_round
+        self._resumed = resume
         if resume.elche is not None:
-            self.elche.restore(resume.elche)
+            # at another world size, ranks that existed keep their speeds, new ones calibrate
+            self.elche.restore(resume.elche.resized(self.world_size))
             history = resume.elche.trend_history
             restore = getattr(self.guard, "restore_history", None)
             if history and restore is not None:

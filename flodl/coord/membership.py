@@ -10,9 +10,13 @@ and nothing else in the coordinator keeps its own copy of it:
 * **the collective session** (:class:`~flodl.coord.cycle.Sessions`): collective modes re-form
   the group among the survivors after every death, renumbering them by ascending global rank;
 * **recovery**: the ranks declared dead since the last finalized cycle (the ``recovered``
-  record).
-
-Membership only shrinks: a rank declared dead cannot rejoin (docs/design.md §2).
+  record);
+* **rejoin** (docs/design.md §2, "Rejoin"): in CPU-averaging modes a rank declared dead may come
+  back as a new *incarnation* while the run trains. It is alive from its ``hello`` on but
+  *awaiting the consensus*: it trains nothing until an averaging cycle it entered (with weight
+  0) finalizes, which gives it the consensus parameters. Nothing of an earlier incarnation is
+  accepted: its control connection was closed at the death, and its data-plane keys were bound
+  to that connection's nonces.
 """
 
 from __future__ import annotations
@@ -54,6 +58,12 @@ class Membership:
         self.devices: list[int | None] = [None] * world_size
         self.unrecovered: list[int] = []
         """Ranks declared dead since the last finalized cycle."""
+        self.incarnations = [0] * world_size
+        """How many times each rank rejoined (0: the incarnation that formed the run)."""
+        self.awaiting: set[int] = set()
+        """Rejoined ranks that have not received the consensus yet (they train nothing)."""
+        self.rejoin_allowed = False
+        """Whether a dead rank may rejoin (CPU averaging; set by the machine)."""
 
     # ------------------------------------------------------------------ queries
     def in_range(self, rank: int) -> bool:
@@ -72,6 +82,17 @@ class Membership:
     def alive_count(self) -> int:
         return self.liveness.alive_count()
 
+    def trains(self, rank: int) -> bool:
+        """Alive and holding the consensus: the rank may be given work."""
+        return self.liveness.is_alive(rank) and rank not in self.awaiting
+
+    def training(self) -> list[int]:
+        """Ranks that may be given work, ascending."""
+        return [r for r in self.liveness.alive() if r not in self.awaiting]
+
+    def training_mask(self) -> list[bool]:
+        return [self.trains(r) for r in range(self.world_size)]
+
     def state(self, rank: int) -> RankState:
         return self.liveness.state(rank)
 
@@ -87,9 +108,14 @@ class Membership:
         ]
 
     # ------------------------------------------------------------------ admission
-    def refusal(self, hello: Hello, *, forming: bool) -> str | None:
-        """Why ``hello`` is refused, or None when it may join (``forming``: the run still
-        admits ranks)."""
+    def refusal(self, hello: Hello, *, forming: bool, rejoining: str | None = None) -> str | None:
+        """Why ``hello`` is refused, or None when it may join.
+
+        Args:
+            forming: the run still forms (every rank not yet joined may join).
+            rejoining: ``None`` when a dead rank may rejoin now, else why not (the run is
+                shutting down, say); read only for a rank declared dead.
+        """
         if hello.protocol != PROTOCOL_VERSION:
             return (
                 f"protocol {hello.protocol} not supported (coordinator speaks {PROTOCOL_VERSION})"
@@ -105,11 +131,17 @@ class Membership:
         state = self.state(hello.rank)
         if state is RankState.ALIVE:
             return f"rank {hello.rank} is already connected (duplicate rank)"
-        if state is RankState.DEAD:
-            return f"rank {hello.rank} was declared dead; ranks cannot rejoin a run"
         if state is RankState.EXITED:
             return f"rank {hello.rank} already finished"
-        if not forming:
+        if state is RankState.DEAD:
+            if not self.rejoin_allowed:
+                return (
+                    f"rank {hello.rank} was declared dead, and ranks rejoin only in CPU-averaging "
+                    "modes (cpu_sync, cpu_cadence, cpu_async)"
+                )
+            if rejoining is not None:
+                return f"rank {hello.rank} cannot rejoin: {rejoining}"
+        elif not forming:
             return "the run is no longer forming"
         if self.signature is not None and hello.model_signature != self.signature:
             return (
@@ -127,7 +159,26 @@ class Membership:
             session=self.sessions.session,
             heartbeat_timeout_s=self.timeouts.heartbeat_s,
             timeout_scale=self.timeouts.scale,
+            incarnation=self.incarnations[hello.rank] + int(self.is_dead(hello.rank)),
         )
+
+    def is_dead(self, rank: int) -> bool:
+        return self.state(rank) is RankState.DEAD
+
+    def rejoin(self, rank: int, now: float) -> int:
+        """Admit a dead rank's new incarnation (not refused): alive, awaiting the consensus;
+        its incarnation number."""
+        self.liveness.rejoin(rank, now)
+        self.incarnations[rank] += 1
+        self.awaiting.add(rank)
+        return self.incarnations[rank]
+
+    def got_consensus(self, contributors: set[int] | frozenset[int]) -> list[int]:
+        """The ranks of ``contributors`` that were awaiting the consensus (a cycle they entered
+        finalized): they may train from now on."""
+        synced = sorted(self.awaiting & contributors)
+        self.awaiting.difference_update(synced)
+        return synced
 
     def join(self, hello: Hello, now: float) -> bool:
         """Admit a rank that was not refused; True once every rank joined."""
@@ -142,10 +193,12 @@ class Membership:
 
     def mark_exited(self, rank: int) -> bool:
         """A rank finished cleanly; False when it was not alive."""
+        self.awaiting.discard(rank)
         return self.liveness.mark_exited(rank)
 
     def declare_dead(self, rank: int, reason: str) -> bool:
         """True on the alive (or joining) → dead transition, once."""
+        self.awaiting.discard(rank)
         return self.liveness.declare_dead(rank, reason)
 
     def record_death(self, rank: int) -> None:

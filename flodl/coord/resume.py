@@ -36,6 +36,9 @@ class ResumeState:
         uncovered: uncovered ranges of the interrupted ``epoch`` as the meta stores them:
             ``(offset, size)`` in samples, multiples of the batch size; ``None``: the whole
             epoch is still to train.
+        world_size_at_save: the world size of the run that saved (it may differ from the
+            resumed run's: docs/design.md §6, "Resume at another world size"); ``None`` when
+            unknown.
     """
 
     epoch: int
@@ -43,3 +46,4 @@ class ResumeState:
     sync_round: int = 0
     elche: ElCheState | None = None
     uncovered: tuple[tuple[int, int], ...] | None = None
+    world_size_at_save: int | None = None

@@ -149,6 +149,13 @@ class RoundBook:
                 done.append((cycle, contributors))
         return done
 
+    def rejoin(self, rank: int) -> None:
+        """A rank that left came back (a new incarnation): rounds opened from now on may
+        expect it; rounds already open do not (they were opened without it)."""
+        if not 0 <= rank < self.world_size:
+            raise LocalProtocolError(f"rejoin: rank {rank} outside the world")
+        self.gone.discard(rank)
+
     def _complete(self, cycle: int) -> tuple[int, ...] | None:
         rnd = self._rounds.get(cycle)
         if rnd is None or rnd.expected is None or not rnd.expected <= rnd.uploaded:

@@ -46,6 +46,7 @@ __all__ = [
     "is_launched",
     "final_state_path",
     "death_stem",
+    "respawn_limit",
 ]
 
 ENV_RANK = "FLODL_RANK"
@@ -64,6 +65,11 @@ ENV_FINAL_DIR = "FLODL_FINAL_DIR"
 ENV_TIMEOUT_SCALE = "FLODL_NET_TIMEOUT_SCALE"
 ENV_LOCAL_HOSTS = "FLODL_LOCAL_HOSTS"
 ENV_PREFIX_OUTPUT = "FLODL_PREFIX_OUTPUT"
+ENV_RESTART = "FLODL_RESTART_COUNT"
+"""How many times the launcher restarted this rank's process (0, or absent, for the first);
+the rank rejoins the run as its next incarnation (docs/design.md §2, "Rejoin")."""
+ENV_RESPAWN = "FLODL_RESPAWN"
+"""Set by ``flodl launch --respawn N`` for the launcher it runs (``TrainerConfig.respawn``)."""
 
 MIN_SECRET_BYTES = 16
 _MAX_SECRET_HEX = 1024
@@ -91,6 +97,21 @@ def timeout_scale() -> float:
             f"{ENV_TIMEOUT_SCALE}={raw!r} must be a finite number >= {MIN_TIMEOUT_SCALE}"
         )
     return value
+
+
+def respawn_limit(configured: int) -> int:
+    """The respawns a launcher allows per rank: ``FLODL_RESPAWN`` (``flodl launch
+    --respawn N``) when set, else ``configured`` (``TrainerConfig.respawn``).
+
+    Raises:
+        ConfigError: ``FLODL_RESPAWN`` is not an integer in 0..1000.
+    """
+    raw = os.environ.get(ENV_RESPAWN, "")
+    if not raw:
+        return configured
+    if not raw.isdigit() or int(raw) > 1000:
+        raise ConfigError(f"{ENV_RESPAWN}={raw!r} must be an integer in 0..1000")
+    return int(raw)
 
 
 def local_host_names() -> frozenset[str]:

@@ -45,7 +45,7 @@ from flodl.coord.effects import (
     RunOver,
     WriteMeta,
 )
-from flodl.errors import FlodlError
+from flodl.errors import ConfigError, FlodlError
 from flodl.handle import TrainerHandle, training_stopped
 from flodl.launch.cluster import CLUSTER_ENV_VAR, Cluster, RankSlot
 from flodl.launch.env import (
@@ -55,6 +55,7 @@ from flodl.launch.env import (
     ENV_LAUNCHED,
     ENV_PREFIX_OUTPUT,
     ENV_RANK,
+    ENV_RESTART,
     ENV_RUN_ID,
     ENV_SECRET,
     ENV_STEM,
@@ -63,6 +64,7 @@ from flodl.launch.env import (
     death_stem,
     final_state_path,
     local_host_names,
+    respawn_limit,
     timeout_scale,
 )
 from flodl.monitor.session import MonitorSession
@@ -70,7 +72,7 @@ from flodl.rank.snapshot import TrainedState
 from flodl.rank.step import TrainJob, timed_callback
 from flodl.service.bundles import BundleWriter, resume_from_bundle
 from flodl.service.coordinator import CoordinatorService
-from flodl.trainer_config import TrainerConfig, coord_config, monitor_session
+from flodl.trainer_config import TrainerConfig, coord_config, monitor_session, respawn_problem
 from flodl.wire.frames import EpochMetrics
 
 __all__ = ["launch"]
@@ -161,6 +163,10 @@ class _Launcher:
 
     def __init__(self, job: TrainJob, c: TrainerConfig, cluster: Cluster) -> None:
         self.job, self.c, self.cluster = job, c, cluster
+        self.respawn = respawn_limit(c.respawn)
+        problem = respawn_problem(self.respawn, c.elche)
+        if problem is not None:
+            raise ConfigError(problem)
         self.local_names = local_host_names()
         self.all_local = cluster.is_local(self.local_names)
         self.bind_host = "127.0.0.1" if self.all_local else cluster.controller.host
@@ -205,6 +211,11 @@ class _Launcher:
         self.death_stem = death_stem(self.coord_cfg.run_id, job.save_path)
         self.started_unix = int(time.time())  # noqa: TID251 - the death records' clock
         self.procs: list[subprocess.Popen[bytes]] = []
+        """Each rank's current process (a respawn replaces its entry)."""
+        self._spawn_args: list[tuple[RankSlot, dict[str, str], dict[str, str], bool]] = []
+        self._procs_lock = threading.Lock()
+        self._stopping = False
+        """Set by :meth:`kill_all`: no respawn may start after it (it would be orphaned)."""
         self.pumps: list[threading.Thread] = []
         self.watchers: list[threading.Thread] = []
         self.over_box: list[RunOver] = []
@@ -226,9 +237,9 @@ class _Launcher:
         self._spawn_ranks(port)
         atexit.register(self.kill_all)
         self._stop_children_on_sigterm()
-        for rank, proc in enumerate(self.procs):
+        for rank in range(len(self.procs)):
             watcher = threading.Thread(
-                target=self._watch, args=(rank, proc), name=f"flodl-watch-{rank}", daemon=True
+                target=self._watch, args=(rank,), name=f"flodl-watch-{rank}", daemon=True
             )
             watcher.start()
             self.watchers.append(watcher)
@@ -305,15 +316,22 @@ class _Launcher:
                 ENV_DEVICE: slot.device,
                 ENV_THREADS: str(threads),
             }
-            proc = self._spawn(slot, env, inherited, piped=prefix)
-            self.procs.append(proc)
-            if prefix:
-                for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                    pump = threading.Thread(
-                        target=_pump, args=(stream, out, f"[rank {slot.rank}] "), daemon=True
-                    )
-                    pump.start()
-                    self.pumps.append(pump)
+            self._spawn_args.append((slot, env, inherited, prefix))
+            self.procs.append(self._start_rank(slot.rank))
+
+    def _start_rank(self, rank: int, restart: int = 0) -> subprocess.Popen[bytes]:
+        slot, env, inherited, prefix = self._spawn_args[rank]
+        if restart:
+            env = {**env, ENV_RESTART: str(restart)}
+        proc = self._spawn(slot, env, inherited, piped=prefix)
+        if prefix:
+            for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                pump = threading.Thread(
+                    target=_pump, args=(stream, out, f"[rank {slot.rank}] "), daemon=True
+                )
+                pump.start()
+                self.pumps.append(pump)
+        return proc
 
     def _spawn(
         self, slot: RankSlot, env: dict[str, str], inherited: dict[str, str], *, piped: bool
@@ -342,13 +360,35 @@ class _Launcher:
 
         signal.signal(signal.SIGTERM, on_sigterm)
 
-    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
-        code = proc.wait()
-        self.service.child_exited_threadsafe(rank, code)
+    def _watch(self, rank: int) -> None:
+        """Report each exit of ``rank``'s process; respawn a failed one while
+        ``TrainerConfig.respawn`` allows and the coordinator would admit it back."""
+        restarts = 0
+        while True:
+            code = self.procs[rank].wait()
+            self.service.child_exited_threadsafe(rank, code)
+            if code == 0 or restarts >= self.respawn or self.stopped.is_set():
+                return
+            # asked on the loop after the exit above was handled: the rank is dead by now
+            if not self.service.may_rejoin_threadsafe(rank):
+                return
+            restarts += 1
+            with self._procs_lock:
+                if self._stopping:
+                    return
+                message = (
+                    f"rank {rank} exited with code {code}: respawning it "
+                    f"({restarts} of {self.respawn}); it rejoins the run"
+                )
+                logger.warning("%s", message)
+                print(f"flodl: {message}", file=sys.stderr, flush=True)  # noqa: T201
+                self.procs[rank] = self._start_rank(rank, restarts)
 
     # ------------------------------------------------------------------ stop
     def kill_all(self) -> None:
         """Terminate every child still running; kill those that outlast the grace."""
+        with self._procs_lock:
+            self._stopping = True
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()

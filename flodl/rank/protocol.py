@@ -210,10 +210,19 @@ class RankProtocol:
         waits_for_update: after a reduce the rank waits for the coordinator's ``update`` (the
             mode's trait; CPU averaging, not Async).
         session: the collective session the rank was admitted to.
+        incarnation: the ``accept``'s; above 0 the rank rejoins a running run: no initial
+            broadcast, and nothing trained before its first reduce gives it the consensus
+            (it enters that reduce with weight 0: its window is empty).
     """
 
     def __init__(
-        self, rank: int, batch_size: int, *, waits_for_update: bool, session: int = 0
+        self,
+        rank: int,
+        batch_size: int,
+        *,
+        waits_for_update: bool,
+        session: int = 0,
+        incarnation: int = 0,
     ) -> None:
         self.rank = rank
         self.batch_size = batch_size
@@ -224,7 +233,12 @@ class RankProtocol:
         """Frames to apply before any newer one (held during a re-formation, then replayed)."""
         self.started = False
         """The first frame after ``accept`` arrived: the cohort formed."""
-        self.broadcast_done = False
+        self.incarnation = incarnation
+        self.broadcast_done = incarnation > 0
+        self.needs_consensus = incarnation > 0
+        """A rejoined rank before its first reduce: it holds no consensus yet, so it must
+        take the round's result as is (never blend it, as ``cpu_async`` does) and train
+        nothing before."""
         self.pending_reduce: int | None = None
         self.waiting_update = False
         self.throttled = False
@@ -328,6 +342,8 @@ class RankProtocol:
             return Broadcast()
         if self.pending_reduce is not None:
             return Reduce(self.pending_reduce)
+        if self.needs_consensus:
+            return Wait()
         if self.awaiting_session or self.waiting_update or self.throttled or not self.queue:
             return Wait()
         return Train(self.queue[0])
@@ -403,6 +419,14 @@ class RankProtocol:
         stop until the group re-forms."""
         self.awaiting_session = True
 
+    def admitted(self, session: int, incarnation: int) -> None:
+        """The ``accept`` arrived: the session, and — ``incarnation > 0`` — a rejoin."""
+        self.session = session
+        self.incarnation = incarnation
+        if incarnation > 0:
+            self.broadcast_done = True
+            self.needs_consensus = True
+
     def end_reduce(
         self,
         cycle: int,
@@ -410,9 +434,11 @@ class RankProtocol:
         divergence: float | None = None,
         pre_norm: float | None = None,
         post_norm: float | None = None,
+        consensus: bool = True,
     ) -> SyncAck:
         """The reduce finished: its ``sync_ack``; the rank then waits for its ``update`` where
-        the mode says so."""
+        the mode says so. ``consensus``: the round realized one (a round of total weight 0
+        leaves every rank its own state, so a rejoined rank still awaits it)."""
         ack = SyncAck(
             rank=self.rank,
             cycle=cycle,
@@ -423,6 +449,8 @@ class RankProtocol:
             post_norm=post_norm,
         )
         self.window_steps = 0
+        if consensus:
+            self.needs_consensus = False
         if self.waits_for_update:
             self.waiting_update = True
         return ack

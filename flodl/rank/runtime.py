@@ -209,7 +209,16 @@ class RankLoop:
         accept = self.bridge.start()
         self.timeouts = Timeouts(accept.heartbeat_timeout_s, accept.timeout_scale)
         self.bridge.set_hard_exit_grace(self.timeouts.hard_exit_grace_s)
-        self.protocol.session = accept.session
+        self.protocol.admitted(accept.session, accept.incarnation)
+        if accept.incarnation > 0:
+            # a rejoin: the model comes from the next averaging round; the inner optimizer
+            # starts fresh (docs/design.md §2, "Rejoin")
+            self.optim = job.optim_factory(self.model.parameters())
+            logger.info(
+                "rank %d rejoins the run (incarnation %d): waiting for the consensus",
+                spec.rank,
+                accept.incarnation,
+            )
         self.chaos = RankChaos.from_environ(spec.rank)
         if self.chaos is not None:
             bridge = self.bridge
@@ -235,8 +244,9 @@ class RankLoop:
         self._connect_backend(accept)
         if self.chaos is not None:
             self.chaos.begin()
-        self._initial_broadcast()
-        self.protocol.broadcasted()
+        if accept.incarnation == 0:  # a rejoined rank takes the consensus in its first reduce
+            self._initial_broadcast()
+            self.protocol.broadcasted()
 
     def batches(self) -> Iterator[list[torch.Tensor]]:
         """Obey the coordinator between steps and yield each batch to train (LR set); the
@@ -577,6 +587,7 @@ class RankLoop:
         if self.chaos is not None:
             self.chaos.before_reduce()
         weight = float(n) ** self.el.gamma if n > 0 else 0.0
+        adopt = self.protocol.needs_consensus  # a rejoined rank takes the round as is
         with torch.no_grad():
             pre = [p.detach().clone() for p in self.params]
             if self.client is not None:
@@ -586,7 +597,7 @@ class RankLoop:
                     # rank's elastic blend or local drift
                     self._keep_consensus()
                 alpha = self.el.easgd_alpha
-                if alpha is not None and alpha < 1.0 and total > 0:
+                if alpha is not None and alpha < 1.0 and total > 0 and not adopt:
                     for p, old in zip(self.params, pre, strict=True):
                         p.mul_(alpha).add_(old, alpha=1.0 - alpha)
             else:
@@ -599,7 +610,9 @@ class RankLoop:
                 self.optim.state = defaultdict(dict)  # DiLoCo: a fresh inner optimizer
             d, pre_norm, post_norm = divergence(pre, self.params)
         self._send(
-            self.protocol.end_reduce(cycle, divergence=d, pre_norm=pre_norm, post_norm=post_norm)
+            self.protocol.end_reduce(
+                cycle, divergence=d, pre_norm=pre_norm, post_norm=post_norm, consensus=total > 0
+            )
         )
 
     def _collective_reduce(self, weight: float, mover: bool, pre: list[torch.Tensor]) -> float:

@@ -198,7 +198,10 @@ def restore_bundle(
     placement) the outer optimizer state. A missing or stale optimizer/outer file is warned
     about and that state starts fresh; a missing or foreign model file raises.
 
-    The files are the ones the bundle's meta names (its save's tag).
+    The files are the ones the bundle's meta names (its save's tag). A rank that did not exist
+    at the save (the run resumes on more ranks) takes rank ``rank mod world_size_at_save``'s
+    optimizer state: every rank's moments estimate the same gradient statistics
+    (docs/design.md §6, "Resume at another world size").
 
     Raises:
         CheckpointError: the meta or the model file is missing, corrupt or from another model.
@@ -206,11 +209,20 @@ def restore_bundle(
     stem = job.resume_from
     if stem is None:
         return None
-    tag = checkpoint.read_meta(stem).bundle_tag
+    meta = checkpoint.read_meta(stem)
+    tag = meta.bundle_tag
     bundle = checkpoint.load_model(stem, tag)
     bundle.load_into(model, model_signature(model))
+    source = rank % meta.world_size_at_save
+    if source != rank:
+        logger.info(
+            "rank %d did not exist at the save (world size %d): it takes rank %d's optimizer state",
+            rank,
+            meta.world_size_at_save,
+            source,
+        )
     try:
-        saved = checkpoint.load_optim(stem, rank, tag)
+        saved = checkpoint.load_optim(stem, source, tag)
     except CheckpointError as exc:
         logger.warning("rank %d: optimizer state not restored (%s); starting it fresh", rank, exc)
         saved = None

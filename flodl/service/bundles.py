@@ -85,10 +85,11 @@ def resume_from_bundle(
     model file), and the CPU outer state when there is one.
 
     Raises:
-        CheckpointError: missing/corrupt files, another world size or seed, or a model file
-            from another save than the meta.
+        CheckpointError: missing/corrupt files, another seed, batch size or epoch split, or
+            a model file from another save than the meta (the world size may differ:
+            docs/design.md §6, "Resume at another world size").
     """
-    meta = checkpoint.read_meta(stem, world_size=coord_cfg.world_size)
+    meta = checkpoint.read_meta(stem)
     state = checkpoint.resume_state(
         meta,
         seed=coord_cfg.seed,

@@ -105,6 +105,11 @@ class CoordinatorService:
         if self.server is not None:
             self.server.child_exited_threadsafe(rank, exit_code)
 
+    def may_rejoin_threadsafe(self, rank: int, timeout_s: float = 10.0) -> bool:
+        """Whether a new incarnation of dead ``rank`` would be admitted now (a launcher's
+        respawn asks before it starts one)."""
+        return self.server is not None and self.server.may_rejoin_threadsafe(rank, timeout_s)
+
     async def wait(self) -> RunOver:
         assert self.server is not None, "start() first"
         return await self.server.wait()

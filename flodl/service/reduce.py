@@ -301,6 +301,20 @@ class ReduceServer:
             self._reconcile(done)
             self._cond.notify_all()
 
+    def rank_rejoined(self, rank: int) -> None:
+        """A dead ``rank`` came back as a new incarnation: its data hello is taken again, and
+        rounds opened from now on may expect it. The old incarnation's connection was shut by
+        :meth:`rank_dead`, and its keys were bound to that connection's nonces, so nothing it
+        sent can be taken for the new one's."""
+        with self._cond:
+            if self._closing:
+                return
+            self._book.rejoin(rank)
+            old = self._by_rank.get(rank)
+            if old is not None and old.closed:
+                del self._by_rank[rank]
+            self._cond.notify_all()
+
     def waiting_for(self, cycle: int) -> tuple[int, ...] | None:
         """The ranks open round ``cycle`` still waits for (for stall reports), sorted.
 

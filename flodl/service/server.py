@@ -31,6 +31,7 @@ Side effects the machine asks for (meta, records, alerts, epoch metrics, eval re
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import socket
@@ -48,6 +49,7 @@ from flodl.coord.effects import (
     OpenReduce,
     RankDead,
     RankLeft,
+    RankRejoined,
     Record,
     RefusePeer,
     Reply,
@@ -128,6 +130,7 @@ class ReduceHooks(Protocol):
 
     def open_round(self, cycle: int, ranks: tuple[int, ...]) -> None: ...
     def rank_dead(self, rank: int) -> None: ...
+    def rank_rejoined(self, rank: int) -> None: ...
 
 
 @dataclass(eq=False)
@@ -248,6 +251,23 @@ class CoordinatorServer:
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._dispatch, ChildExited(rank, exit_code))
+
+    def may_rejoin_threadsafe(self, rank: int, timeout_s: float) -> bool:
+        """From a supervisor thread, after :meth:`child_exited_threadsafe` for ``rank``: whether
+        a new incarnation of it would be admitted now (the exit was handled first: the loop
+        runs callbacks in order). False when the loop is gone or does not answer in time."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return False
+        machine = self.machine
+
+        async def ask() -> bool:
+            return machine.may_rejoin(rank)
+
+        try:
+            return asyncio.run_coroutine_threadsafe(ask(), loop).result(timeout=timeout_s)
+        except (TimeoutError, RuntimeError, concurrent.futures.CancelledError):
+            return False
 
     def reduce_done_threadsafe(
         self, cycle: int, contributors: tuple[int, ...], weight: float
@@ -465,6 +485,10 @@ class CoordinatorServer:
                 case RankLeft(rank=rank):
                     if self.reduce is not None:
                         self.reduce.rank_dead(rank)
+                case RankRejoined(rank=rank, incarnation=incarnation):
+                    logger.warning("rank %d rejoined (incarnation %d)", rank, incarnation)
+                    if self.reduce is not None:
+                        self.reduce.rank_rejoined(rank)
                 case OpenReduce(cycle=cycle, ranks=ranks):
                     if self.reduce is not None:
                         self.reduce.open_round(cycle, ranks)

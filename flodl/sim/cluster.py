@@ -44,12 +44,15 @@ from flodl.coord.effects import (
     OpenReduce,
     RankDead,
     RankLeft,
+    RankRejoined,
+    Reply,
     RunOver,
     Send,
 )
 from flodl.coord.inputs import ChildExited, ReduceDone
 from flodl.coord.liveness import RankState
 from flodl.coord.machine import Coordinator, RunPhase
+from flodl.coord.resume import ResumeState
 from flodl.coord.rounds import RoundBook
 from flodl.errors import InvariantViolation
 from flodl.rank.protocol import (
@@ -64,6 +67,7 @@ from flodl.rank.protocol import (
 )
 from flodl.timeouts import HEARTBEAT_INTERVAL_S, Timeouts
 from flodl.wire.frames import (
+    Accept,
     BundleSaved,
     CoordFrame,
     CoordHeartbeat,
@@ -73,6 +77,7 @@ from flodl.wire.frames import (
     Heartbeat,
     Hello,
     RankFrame,
+    Reject,
 )
 
 __all__ = ["Failure", "SimCluster", "SimTrace"]
@@ -85,12 +90,17 @@ class Failure:
     """A fault injected at virtual time ``at_s``.
 
     ``kind``: ``"kill"`` (process dies; the launcher reports it after ``detect_delay_s``),
-    ``"hang"`` (the rank goes silent; only the heartbeat timeout notices).
+    ``"hang"`` (the rank goes silent; only the heartbeat timeout notices), ``"rejoin"`` (a new
+    incarnation of a killed rank starts and says ``hello``: docs/design.md §2, "Rejoin"; it
+    must come at least a heartbeat interval after the kill, so that nothing of the old
+    incarnation is still scheduled).
     """
 
     rank: int
     at_s: float
-    kind: Literal["kill", "hang"] = "kill"
+    kind: Literal["kill", "hang", "rejoin"] = "kill"
+    ms_per_batch: float | None = None
+    """``rejoin``: the new incarnation's speed (``None``: the old one's)."""
 
 
 @dataclass(slots=True)
@@ -116,6 +126,10 @@ class SimTrace:
     """Ranks that failed on their own (a data-plane timeout, a refused upload): never
     expected without a fault injected into them."""
     shutdowns_with_save: int = 0
+    rejoins: list[tuple[float, int, int]] = field(default_factory=list)
+    """(virtual time, rank, incarnation) of every rejoin the coordinator accepted."""
+    rejoin_refusals: list[tuple[float, int, str]] = field(default_factory=list)
+    """(virtual time, rank, reason) of every rejoin it refused."""
     alerts: list[tuple[float, str, str]] = field(default_factory=list)
     """(virtual time, class, detail) of every alert the coordinator raised."""
     digest: str = ""
@@ -162,6 +176,7 @@ class _SimRank:
     busy_s: float = 0.0
     samples: int = 0
     reduce_seq: int = 0
+    killed_at: float | None = None
 
     @property
     def running(self) -> bool:
@@ -198,6 +213,8 @@ class SimCluster:
             without a model); the convergence guard and the LR meta-controller judge it.
         lr: the LR rank ``r`` reports at its step ``s`` as ``lr(s, r)`` (an ``lr_update``
             frame each time the value changes; ``None``: the rank has no scheduler).
+        resume: what a checkpoint meta seeds into the coordinator (a resumed run, maybe saved
+            at another world size).
     """
 
     def __init__(
@@ -223,6 +240,7 @@ class SimCluster:
         epoch_fn_ms: float = 0.0,
         divergence: Callable[[int, int], float | None] | None = None,
         lr: Callable[[int, int], float] | None = None,
+        resume: ResumeState | None = None,
     ) -> None:
         if len(speeds) != world_size:
             raise ValueError(f"speeds has {len(speeds)} entries for world_size {world_size}")
@@ -247,7 +265,7 @@ class SimCluster:
         self.mode = mode
         self.rng = random.Random(seed)
         self.seed = seed
-        self.coord = Coordinator(self.config, random.Random(seed))
+        self.coord = Coordinator(self.config, random.Random(seed), resume=resume)
         waits = self.traits.waits_for_update
         self.ranks = [
             _SimRank(
@@ -272,6 +290,8 @@ class SimCluster:
         self._collective: dict[tuple[int, int], set[int]] = {}
         self._channel_at: dict[tuple[str, int], float] = {}
         self._faulted: set[int] = set()
+        self._rejoining: int | None = None
+        """The rank whose ``hello`` the coordinator is handling (its reply has no rank)."""
         self._counts_version = -1
         self.trace = SimTrace(mode=mode, seed=seed, samples=[0] * world_size)
         self._failures = sorted(failures, key=lambda f: (f.at_s, f.rank))
@@ -347,7 +367,9 @@ class SimCluster:
 
     def _event(self, kind: str, payload: Any) -> None:
         if kind == "coord":
+            self._rejoining = payload.rank if isinstance(payload, Hello) else None
             self._apply(self.coord.handle(payload, self.now))
+            self._rejoining = None
         elif kind == "rank":
             rank, frame = payload
             self._arrive(self.ranks[rank], frame)
@@ -393,6 +415,14 @@ class SimCluster:
                 case RankDead(rank=rank, reason=reason):
                     self.trace.deaths.append((self.now, rank, reason))
                     self._leave_rounds(rank)
+                case RankRejoined(rank=rank, incarnation=incarnation):
+                    self.trace.rejoins.append((self.now, rank, incarnation))
+                    if self.traits.cpu_averaging:
+                        self._book.rejoin(rank)
+                case Reply(frame=Accept(rank=rank, session=session, incarnation=k)) if k > 0:
+                    self.ranks[rank].proto.admitted(session, k)
+                case Reply(frame=Reject(reason=reason)) if self._rejoining is not None:
+                    self.trace.rejoin_refusals.append((self.now, self._rejoining, reason))
                 case RankLeft(rank=rank):
                     self._leave_rounds(rank)
                 case EpochDone(metrics=m):
@@ -614,6 +644,7 @@ class SimCluster:
 
     def _kill(self, r: _SimRank) -> None:
         r.alive = False
+        r.killed_at = self.now
         self._push(self.now + self.detect_delay_s, "launcher", ChildExited(r.rank, -9))
         self._fail_collectives_of(r)
 
@@ -626,6 +657,9 @@ class SimCluster:
 
     def _fault(self, f: Failure) -> None:
         r = self.ranks[f.rank]
+        if f.kind == "rejoin":
+            self._respawn(r, f.ms_per_batch)
+            return
         if not r.running:
             return
         self._faulted.add(f.rank)
@@ -634,6 +668,34 @@ class SimCluster:
         else:
             r.hung = True
             self._fail_collectives_of(r)
+
+    def _respawn(self, old: _SimRank, ms_per_batch: float | None) -> None:
+        """A new incarnation of a killed rank: a fresh rank protocol (the accept tells it it
+        rejoins), the same speed, its counters carried over (the trace sums both)."""
+        if old.alive or old.killed_at is None or self.now - old.killed_at < self.heartbeat_s:
+            raise ValueError(
+                f"rank {old.rank}: a rejoin needs a rank killed at least one heartbeat before"
+            )
+        new = _SimRank(
+            old.rank,
+            old.ms_per_batch if ms_per_batch is None else ms_per_batch,
+            RankProtocol(
+                old.rank, self.config.batch_size, waits_for_update=self.traits.waits_for_update
+            ),
+            members=old.members,
+            busy_s=old.busy_s,
+            samples=old.samples,
+            reduce_seq=old.reduce_seq,
+        )
+        self.ranks[old.rank] = new
+        hello = Hello(
+            run_id=self.config.run_id,
+            rank=new.rank,
+            world_size=len(self.ranks),
+            model_signature=_SIGNATURE,
+        )
+        self._to_coord(hello)
+        self._push(self.now + self.heartbeat_s, "heartbeat", new.rank)
 
     # ------------------------------------------------------------------ invariants
     def _check(self) -> None:
@@ -653,6 +715,8 @@ class SimCluster:
                 dead = c.membership.state(rank) is RankState.DEAD
                 if dead and rank not in c.averaging.deferred_forfeit and work.pending(rank):
                     self._violate(f"dead rank {rank} still holds work in epoch {e}")
+                if rank in c.membership.awaiting and work.pending(rank):
+                    self._violate(f"rank {rank} holds work before it has the consensus")
                 if barrier and c.progressive and len(work.outstanding(rank)) > 1:
                     self._violate(f"rank {rank} has more than one chunk in flight (epoch {e})")
         if barrier and c.phase is RunPhase.TRAINING and len(works) > 1:

@@ -369,6 +369,10 @@ class Accept(_Frame):
     timeout_scale: Annotated[float, Field(ge=0.01, le=1e6, allow_inf_nan=False)] = 1.0
     data_port: Annotated[int, Field(ge=0, le=65_535)] | None = None
     store_port: Annotated[int, Field(ge=0, le=65_535)] | None = None
+    incarnation: Count = 0
+    """0 for a rank that formed the run; ``k`` for the k-th rejoin of this rank. A rank with
+    ``incarnation > 0`` joins a running run: it takes no part in the initial broadcast and
+    trains nothing before its first averaging round gives it the consensus."""
 
 
 class Reject(_Frame):

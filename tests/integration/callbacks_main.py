@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -56,6 +57,8 @@ def main() -> None:
     p.add_argument("--max-failure-abs", type=int)
     p.add_argument("--crash-rank", type=int, default=-1)
     p.add_argument("--crash-step", type=int, default=0)
+    p.add_argument("--crash-kill", action="store_true", help="crash by SIGKILL, not an exception")
+    p.add_argument("--respawn", type=int, help="TrainerConfig.respawn")
     p.add_argument("--log-dir", required=True)
     p.add_argument("--eval", action="store_true")
     p.add_argument("--eval-every", type=int)
@@ -78,7 +81,8 @@ def main() -> None:
     p.add_argument("--chaos", help="a chaos plan (ChaosPlan.to_env() JSON) for Trainer.chaos")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    me = int(os.environ.get("FLODL_RANK", "-1"))
+    # a launcher's ranks have FLODL_RANK; the single-device tier trains in this process
+    me = int(os.environ.get("FLODL_RANK", "0" if args.ranks == 1 and not args.worker else "-1"))
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
     slow = {int(r): float(ms) for r, ms in (kv.split(":") for kv in args.slow.split(",") if kv)}
@@ -99,7 +103,10 @@ def main() -> None:
 
     def forward_loss(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
         steps["n"] += 1
-        if me == args.crash_rank and steps["n"] == args.crash_step:
+        first_incarnation = os.environ.get("FLODL_RESTART_COUNT", "0") == "0"
+        if me == args.crash_rank and steps["n"] == args.crash_step and first_incarnation:
+            if args.crash_kill:
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected failure on rank {me} at step {steps['n']}")
         if me in slow:
             time.sleep(slow[me] / 1000.0)
@@ -158,6 +165,8 @@ def main() -> None:
         b = b.resume_from(args.resume)
     if args.checkpoint_every:
         b = b.checkpoint_every(args.checkpoint_every)
+    if args.respawn is not None:
+        b = b.respawn(args.respawn)
     if args.max_failure_abs:
         b = b.max_failure(MaxFailure(absolute=args.max_failure_abs))
     if args.eval:

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_checkpoint_resume import (
+from resume_runs import (
     done,
     final_matches_bundle,
     metrics,

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_checkpoint_resume import done, metrics, run
+from resume_runs import done, metrics, run
 
 from flodl.monitor.records import RecordLog, read_tree
 

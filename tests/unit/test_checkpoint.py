@@ -35,11 +35,12 @@ from flodl.checkpoint import (
     write_meta,
 )
 from flodl.config import CoordConfig, ElCheConfig, validated
+from flodl.coord.effects import Record, Send
 from flodl.coord.machine import Coordinator, ResumeState
 from flodl.errors import CheckpointError, ConfigError, FlodlError
 from flodl.rank import snapshot
 from flodl.rank.snapshot import model_signature
-from flodl.wire.frames import Hello
+from flodl.wire.frames import Hello, StartEpoch
 
 SIG = "a" * 64
 BS = 32
@@ -644,6 +645,7 @@ def test_a_resumed_coordinator_reads_back_its_uncovered_ranges(tmp_path: Path) -
         sync_round=5,
         elche=state.elche,
         uncovered=((320, 320),),
+        world_size_at_save=2,
     )
     assert state.elche is not None and state.elche.trend_history == [0.01, 0.02]
     coord = started(cfg, resume=state)
@@ -651,6 +653,38 @@ def test_a_resumed_coordinator_reads_back_its_uncovered_ranges(tmp_path: Path) -
     assert again["coverage"]["per_epoch"] == meta["coverage"]["per_epoch"]
     write_meta(tmp_path / "run", again)
     assert read_meta(tmp_path / "run").save_reason == "single_survivor"
+
+
+def test_a_two_rank_save_seeds_a_three_rank_coordinator_and_says_so(tmp_path: Path) -> None:
+    write_meta(tmp_path / "run", meta_dict())
+    state = resume_state(
+        read_meta(tmp_path / "run"), seed=42, batch_size=BS, epoch_splits=1, total_epochs=2
+    )
+    assert state.world_size_at_save == 2
+    cfg = config(num_epochs=2, world_size=3)
+    coord = Coordinator(cfg, random.Random(0), resume=state)
+    out = []
+    for r in range(3):
+        out += coord.handle(Hello(run_id="run", rank=r, world_size=3, model_signature=SIG), 0.0)
+    [resumed] = [e for e in out if isinstance(e, Record) and e.kind == "resumed"]
+    assert resumed.data == {
+        "epoch": 1,
+        "global_step": 30,
+        "world_size_at_save": 2,
+        "world_size": 3,
+        "uncovered_samples": 320,
+    }
+    # ranks 0 and 1 keep their speeds (rank 1, the slower, anchors); rank 2 calibrates
+    assert coord.elche.smoothed_ms == [10.0, 20.0, 0.0]
+    assert coord.elche.anchor_rank == 1
+    # the uncovered 10 batches go to the three ranks, the new one included
+    plans = {
+        e.rank: e.frame.plan for e in out if isinstance(e, Send) and isinstance(e.frame, StartEpoch)
+    }
+    assert sorted(plans) == [0, 1, 2]
+    assert sorted((p.partition_offset, p.partition_size) for p in plans.values()) == [
+        (320, 160), (480, 96), (576, 64)
+    ]  # fmt: skip
 
 
 def test_the_original_flodls_meta_is_readable(tmp_path: Path) -> None:
@@ -805,14 +839,14 @@ def test_bad_metas_are_checkpoint_errors_naming_the_file_and_field(
     assert str(path) in str(err.value)
 
 
-def test_world_size_mismatch(tmp_path: Path) -> None:
+def test_read_meta_checks_an_expected_world_size(tmp_path: Path) -> None:
     meta = meta_dict(world_size_at_save=4)
     meta["elche_state"]["smoothed_ms_per_batch"] = [1.0, 2.0, 3.0, 4.0]
     put_meta(tmp_path / "run", meta)
     assert read_meta(tmp_path / "run", world_size=4).world_size_at_save == 4
     with pytest.raises(
         CheckpointError,
-        match="saved with world size 4, this run has 2: resume needs the same world size",
+        match="saved with world size 4, 2 was expected",
     ) as err:
         read_meta(tmp_path / "run", world_size=2)
     assert str(tmp_path / "run.meta.json") in str(err.value)

@@ -785,6 +785,39 @@ def test_restore_rejects_a_world_size_mismatch() -> None:
         ElChe(2).restore(ElCheState(10, 0, [1.0, 1.0, 1.0], "stable", 7))
 
 
+def test_a_state_resized_to_more_ranks_keeps_known_speeds_and_calibrates_the_new_ones() -> None:
+    saved = ElCheState(10, 2, [1.0, 1.0, 2.0], "stable", 7, trend_history=[0.1])
+    grown = saved.resized(4)
+    assert grown.smoothed_ms_per_batch == [1.0, 1.0, 2.0, 0.0]
+    assert (grown.anchor, grown.anchor_rank, grown.phase, grown.calibration_count) == (
+        10, 2, "stable", 7
+    )  # fmt: skip
+    assert grown.trend_history == [0.1]
+    el = ElChe(4)
+    el.restore(grown)
+    assert el.calibrated and el.anchor_rank == 2
+    # ranks 0 and 1 are twice the anchor's speed; rank 3, never measured, runs the anchor's
+    # count (its calibration window) ...
+    assert el.batch_counts == [20, 20, 10, 10]
+    # ... and its first reading gives it its proportional count (4x the anchor's speed)
+    feed(el, [1.0, 1.0, 2.0, 0.5], verdict=Stable())
+    assert el.batch_counts[3] == 40
+
+
+def test_a_state_resized_to_fewer_ranks_drops_them_and_re_elects_a_dropped_anchor() -> None:
+    saved = ElCheState(10, 2, [1.0, 1.5, 2.0], "mature", 30)
+    shrunk = saved.resized(2)
+    assert shrunk.smoothed_ms_per_batch == [1.0, 1.5]
+    assert shrunk.anchor_rank is None  # rank 2 is gone: the restore elects among the rest
+    el = ElChe(2)
+    el.restore(shrunk)
+    assert el.anchor_rank == 1  # the slowest that remains
+    assert el.batch_counts == [15, 10]
+    assert saved.resized(3) == saved
+    with pytest.raises(LocalProtocolError, match="world_size"):
+        saved.resized(0)
+
+
 def test_restore_seeds_rings_with_the_saved_mean() -> None:
     el = ElChe(2)
     el.restore(ElCheState(10, 1, [1.0, 2.0], "warmup", 3))

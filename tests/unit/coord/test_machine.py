@@ -24,6 +24,8 @@ from flodl.coord.effects import (
     OpenReduce,
     RankDead,
     RankLeft,
+    RankRejoined,
+    Record,
     RefusePeer,
     Reply,
     RunOver,
@@ -354,12 +356,82 @@ def test_mismatched_model_signature_is_refused() -> None:
     assert coord.membership.liveness.state(1) is RankState.JOINING
 
 
-def test_a_dead_rank_cannot_rejoin() -> None:
-    c = joined()
+@pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence"])
+def test_a_dead_rank_cannot_rejoin_a_collective_run(mode: str) -> None:
+    c = joined(mode, 3)
     c.kill(1)
-    reason = refusal(c.feed(hello(1)))
-    assert "declared dead" in reason
+    reason = refusal(c.feed(hello(1, 3)))
+    assert "declared dead" in reason and "only in CPU-averaging modes" in reason
     assert c.coord.membership.liveness.state(1) is RankState.DEAD
+
+
+def revive(c: Cluster, rank: int) -> list[Effect]:
+    """A new incarnation of a killed fake rank says hello (its fake state starts over)."""
+    c.out.discard(rank)
+    c.inbox[rank].clear()
+    c.work[rank].clear()
+    c.wanted[rank] = c.in_reduce[rank] = None
+    c.waiting[rank] = False
+    return c.feed(hello(rank, c.w))
+
+
+@pytest.mark.parametrize("mode", ["cpu_sync", "cpu_cadence", "cpu_async"])
+def test_a_dead_rank_rejoins_a_cpu_run_and_trains_once_it_has_the_consensus(mode: str) -> None:
+    c = joined(mode, 3, dataset_len=9600)
+    c.run(until=lambda: c.coord.sync_rounds >= 3)
+    c.kill(2)
+    c.run(until=lambda: c.coord.sync_rounds >= 6)
+    c.clock.advance(2.0)
+    out = revive(c, 2)
+    # the reduce server takes its data hello before the accept goes out
+    rejoined = index(out, lambda e: isinstance(e, RankRejoined))
+    replied = index(out, lambda e: isinstance(e, Reply))
+    assert rejoined < replied and out[rejoined] == RankRejoined(2, 1)
+    reply = out[replied]
+    assert isinstance(reply, Reply) and isinstance(reply.frame, Accept)
+    assert reply.frame.incarnation == 1
+    assert c.coord.membership.awaiting == {2}
+    assert c.coord.membership.incarnations == [0, 0, 1]
+    assert [r for r, _ in sends(out, SetGlobalStep)] == [2]
+    assert [r for r, _ in sends(out, SetEpochCallbackRole)] == [2]
+    assert sends(out, StartEpoch) == []
+    mark = len(c.trace)
+    c.run()
+    assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
+    caught_up = index(c.trace, lambda e: isinstance(e, Record) and e.kind == "rank_rejoined")
+    before = c.trace[mark:caught_up]
+    # no work reaches it before a cycle it entered (weight 0: no steps) finalized
+    assert not [f for r, f in sends(before, StartEpoch) if r == 2]
+    assert not [f for r, f in sends(before, ExtendPartition) if r == 2]
+    assert not [f for r, f in sends(before, Update) if r == 2 and f.next_plan is not None]
+    assert any(isinstance(e, SnapshotReady) and e.rank == 2 for e in before)
+    [record] = [e for e in c.trace if isinstance(e, Record) and e.kind == "rank_rejoined"]
+    assert record.data["rank"] == 2 and record.data["incarnation"] == 1
+    assert record.data["down_s"] == 2.0 and record.data["world_size"] == 3
+    assert c.step[2] > 0  # the new incarnation trained
+    for epoch in range(c.config.total_epochs):
+        cov = c.coord.coverage(epoch)
+        assert cov is not None and cov.ok, (epoch, cov)
+
+
+def test_a_rejoin_is_refused_once_the_run_stops_and_nothing_changes() -> None:
+    c = joined("cpu_cadence", 3, dataset_len=9600, max_failure=MaxFailure(absolute=1))
+    c.run(until=lambda: c.coord.sync_rounds >= 2)
+    c.kill(2)  # past the failure budget: shutdown_with_save
+    assert c.coord.phase is RunPhase.SHUTDOWN
+    before = (c.coord.phase, c.coord.membership.incarnations[:], c.coord.sync_rounds)
+    reason = refusal(revive(c, 2))
+    assert reason == "rank 2 cannot rejoin: the run is shutdown"
+    assert (c.coord.phase, c.coord.membership.incarnations, c.coord.sync_rounds) == before
+
+
+def test_a_second_hello_of_a_rejoined_rank_is_a_duplicate() -> None:
+    c = joined("cpu_cadence", 3, dataset_len=9600)
+    c.run(until=lambda: c.coord.sync_rounds >= 2)
+    c.kill(1)
+    revive(c, 1)
+    assert "already connected (duplicate rank)" in refusal(c.feed(hello(1, 3)))
+    assert c.coord.membership.incarnations == [0, 1, 0]
 
 
 @pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_sync", "cpu_async"])

@@ -190,6 +190,7 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
         timeout_scale=0.25,
         data_port=40_001,
         store_port=40_002,
+        incarnation=2,
     ),
     "reject": lambda: Reject(reason="duplicate rank 3"),
     "coord_heartbeat": CoordHeartbeat,
@@ -397,6 +398,7 @@ BAD: list[tuple[str, str, dict[str, Any]]] = [
     ("hello-protocol-over-u16", "hello", {"protocol": 65_536}),
     ("hello-protocol-negative", "hello", {"protocol": -1}),
     ("accept-port-over-u16", "accept", {"data_port": 65_536}),
+    ("accept-incarnation-negative", "accept", {"incarnation": -1}),
     ("rank_exited-code-over", "rank_exited", {"exit_code": 256}),
     ("rank_exited-code-under", "rank_exited", {"exit_code": -256}),
     # NaN / inf losses and metrics

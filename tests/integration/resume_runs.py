@@ -1,0 +1,116 @@
+"""Shared helpers of the resume tests: run ``callbacks_main.py`` (the user's script) in a
+subprocess and read back what each rank trained.
+
+Ranks log the sample ids of every batch they train to ``<log dir>/rank<N>.ids``, so a test can
+check per-epoch coverage against a bundle's meta.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flodl import checkpoint
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "callbacks_main.py"
+REPO = HERE.parents[1]
+BS = 32
+
+
+def run(
+    tmp: Path, name: str, *args: str, limit_s: float = 150, tag: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``callbacks_main.py`` with ``args``, logging to ``tmp/name``; its output is kept in
+    ``tmp/name.stdout`` and ``tmp/name.stderr``."""
+    out = subprocess.run(
+        [
+            *(sys.executable, str(SCRIPT), "--tag", tag or f"flodl-test-{uuid.uuid4().hex}"),
+            *("--log-dir", str(tmp / name), *args),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=limit_s,
+        cwd=REPO,
+        env={**os.environ, "FLODL_NET_TIMEOUT_SCALE": "0.2"},
+    )
+    (tmp / f"{name}.stdout").write_text(out.stdout)
+    (tmp / f"{name}.stderr").write_text(out.stderr)
+    return out
+
+
+def metrics(stdout: str) -> list[dict[str, Any]]:
+    return [json.loads(line[8:]) for line in stdout.splitlines() if line.startswith("METRICS ")]
+
+
+def done(stdout: str) -> dict[str, Any]:
+    lines = [line for line in stdout.splitlines() if line.startswith("DONE ")]
+    assert len(lines) == 1, stdout[-2000:]
+    result: dict[str, Any] = json.loads(lines[0][5:])
+    return result
+
+
+def evals(stdout: str) -> list[tuple[int, float]]:
+    """The ``EVAL <epoch> <accuracy>`` lines of a run with ``--eval``."""
+    return [
+        (int(e), float(v))
+        for e, v in (line.split()[1:3] for line in stdout.splitlines() if line.startswith("EVAL "))
+    ]
+
+
+def within_parity(acc: float, baseline: float) -> bool:
+    """The parity bound of docs/benchmarks.md: within 0.5 pp or 2 % relative of the baseline."""
+    return acc >= baseline - max(0.005, 0.02 * baseline)
+
+
+def uninterrupted(tmp: Path, common: Sequence[str], world: int) -> float:
+    """The final held-out accuracy (``--eval``) of the same run at ``world`` ranks, never
+    interrupted."""
+    u = run(tmp, f"u{world}", *common, "--ranks", str(world))
+    assert u.returncode == 0, u.stderr[-3000:]
+    return evals(u.stdout)[-1][1]
+
+
+def processes_with(tag: str) -> list[str]:
+    """Processes whose command line holds ``tag`` (a run's ``--tag``)."""
+    out = subprocess.run(
+        ["ps", "-ww", "-eo", "pid,args"], check=False, capture_output=True, text=True
+    )
+    return [line for line in out.stdout.splitlines() if tag in line and "ps -ww" not in line]
+
+
+def rank_batches(log_dir: Path, rank: int) -> list[list[int]]:
+    path = log_dir / f"rank{rank}.ids"
+    if not path.exists():
+        return []
+    return [[int(i) for i in line.split(",")] for line in path.read_text().splitlines() if line]
+
+
+def split_epochs(log_dir: Path, ms: Sequence[dict[str, Any]], world: int) -> dict[int, list[int]]:
+    """Sample ids trained per epoch (each rank's batches are in order; cadence never hands a
+    rank a step across an epoch barrier, so its log splits by its per-epoch sample counts)."""
+    out: dict[int, list[int]] = {m["epoch"]: [] for m in ms}
+    for r in range(world):
+        batches = rank_batches(log_dir, r)
+        pos = 0
+        for m in ms:
+            n = m["per_rank_samples"][r] // BS
+            for b in batches[pos : pos + n]:
+                out[m["epoch"]].extend(b)
+            pos += n
+    return out
+
+
+def final_matches_bundle(out_file: Path, stem: Path) -> bool:
+    saved = checkpoint.load_model(stem)
+    state = torch.load(out_file, weights_only=True)
+    return all(torch.equal(a, b) for a, b in zip(saved.params, state["params"], strict=True))

@@ -1,0 +1,85 @@
+"""A rank that fails mid-run is respawned by its launcher and rejoins: real launcher, real rank
+processes, real sockets (docs/design.md §2, "Rejoin").
+
+``callbacks_main.py --respawn 1`` with rank 2 SIGKILLing itself at its 10th step (its first
+incarnation only): the launcher reports the exit, the coordinator declares rank 2 dead and
+hands its uncommitted work to the pool, the launcher starts rank 2 again, and the new
+incarnation is admitted, gets the consensus in the next averaging round and trains to the end.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from resume_runs import (
+    done,
+    evals,
+    processes_with,
+    rank_batches,
+    run,
+    uninterrupted,
+    within_parity,
+)
+
+from flodl.monitor.records import read_tree
+
+pytestmark = pytest.mark.integration
+
+N = 4096
+EPOCHS = 4
+SLOW = "0:40,1:40,2:40"
+"""40 ms a step: the run lasts long enough (≈ 8 s) for a respawned process to start (import
+torch, connect) and still find most of it to train."""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["cpu_sync", "cpu_cadence", "cpu_async"])
+def test_a_killed_rank_is_respawned_rejoins_and_trains_to_the_end(
+    mode: str, tmp_path: Path
+) -> None:
+    common = ["--mode", mode, "--epochs", str(EPOCHS), "--samples", str(N), "--eval"]
+    common += ["--max-anchor", "5", "--slow", SLOW]
+    tag = f"flodl-test-{uuid.uuid4().hex}"
+    records = tmp_path / "records"
+    out = run(
+        tmp_path,
+        "a",
+        *(*common, "--ranks", "3", "--respawn", "1", "--records", str(records)),
+        *("--crash-rank", "2", "--crash-step", "10", "--crash-kill"),
+        tag=tag,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert done(out.stdout) == {"save_reason": None, "replicas_agree": True}
+    assert "rank 2 exited with code -9: respawning it (1 of 1); it rejoins the run" in out.stderr
+    deadline = time.monotonic() + 15  # rank processes exit on their own, promptly
+    while processes_with(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_with(tag) == [], "a process of the run outlived it"
+
+    tree = read_tree(records)
+    root = tree["root"]
+    events = [r["data"] for recs in tree.values() for r in recs if r["kind"] == "event"]
+    assert not [e for e in events if e["class"] == "coverage"], "coverage broken"
+    assert [e["class"] for e in events if e["class"] in ("rank_lost", "rank_rejoined")] == [
+        "rank_lost",
+        "rank_rejoined",
+    ]
+    [rejoined] = [r["data"] for recs in tree.values() for r in recs if r["kind"] == "rank_rejoined"]
+    assert rejoined["rank"] == 2 and rejoined["incarnation"] == 1
+    assert rejoined["world_size"] == 3 and rejoined["down_s"] > 0
+    epochs = [r["data"]["epoch"] for r in root if r["kind"] == "epoch"]
+    assert epochs == list(range(EPOCHS)), epochs
+
+    # every sample of every epoch was trained (the dead incarnation's uncommitted batches are
+    # redone, so some twice); rank 2's log holds both incarnations, the second one non-empty
+    counts = Counter(i for r in range(3) for b in rank_batches(tmp_path / "a", r) for i in b)
+    assert set(counts) == set(range(N)) and min(counts.values()) >= EPOCHS
+    # the second incarnation trained (the first one logged 9 batches before its kill)
+    assert len(rank_batches(tmp_path / "a", 2)) > 9 + 20
+    base = uninterrupted(tmp_path, common, 3)
+    acc = evals(out.stdout)[-1][1]
+    assert within_parity(acc, base), (acc, base)

@@ -1,0 +1,87 @@
+"""A rank declared dead comes back as a new incarnation: the production coordinator and rank
+protocol on the simulator's clock, invariants checked after every step (docs/design.md §2,
+"Rejoin")."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from flodl.sim import Failure, SimCluster
+
+CPU_MODES = ["cpu_sync", "cpu_cadence", "cpu_async"]
+BS = 32
+
+
+def sim(mode: str, speeds: list[float], failures: list[Failure], **kw: object) -> SimCluster:
+    args: dict[str, object] = {"dataset_len": 25_600, "batch_size": BS, "epochs": 3, "seed": 4}
+    args.update(kw)
+    return SimCluster(len(speeds), mode, speeds, failures=failures, **args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", CPU_MODES)
+def test_a_killed_rank_that_rejoins_trains_again_and_no_sample_is_lost(mode: str) -> None:
+    s = sim(
+        mode,
+        [10.0, 10.0, 20.0],
+        [Failure(2, 1.0, "kill"), Failure(2, 4.0, "rejoin")],
+    )
+    tr = s.run()
+    assert tr.ok, tr.reason
+    assert tr.coverage_ok == [True, True, True]
+    assert [r for _, r, _ in tr.deaths] == [2]
+    assert [(r, k) for _, r, k in tr.rejoins] == [(2, 1)]
+    assert s.coord.membership.incarnations == [0, 0, 1]
+    assert not s.coord.membership.awaiting
+    # the new incarnation trained (its samples continue the old one's count)
+    assert s.ranks[2].proto.step > 0
+    # every batch of every epoch trained at least once; the dead rank's uncommitted work was
+    # redone, so a few batches more than three epochs
+    assert sum(tr.samples) >= 3 * 800 * BS
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_async"])
+def test_a_rejoined_rank_is_recalibrated_to_a_count_proportional_to_its_speed(mode: str) -> None:
+    # rank 2 was the slow one (30 ms a batch); it comes back on a machine 3x faster
+    s = SimCluster(
+        3, mode, [10.0, 10.0, 30.0], dataset_len=64_000, batch_size=BS, epochs=2, seed=1,
+        failures=[Failure(2, 2.0, "kill"), Failure(2, 5.0, "rejoin", ms_per_batch=10.0)],
+    )  # fmt: skip
+    tr = s.run()
+    assert tr.ok, tr.reason
+    assert tr.coverage_ok == [True, True]
+    before = next(c for c in tr.batch_counts if c[2] > 0 and c[0] >= 2 * c[2])
+    assert before[0] / before[2] >= 2.5, before  # 3:1 while it was slow
+    counts = tr.batch_counts[-1]
+    assert abs(counts[2] / counts[0] - 1.0) <= 0.1, counts  # as fast as the others now
+
+
+@pytest.mark.parametrize("mode", CPU_MODES)
+@pytest.mark.parametrize("seed", range(6))
+def test_random_kill_and_rejoin_schedules_keep_exact_coverage(mode: str, seed: int) -> None:
+    rng = random.Random(seed)
+    failures: list[Failure] = []
+    t = 0.3
+    for _ in range(rng.randint(1, 3)):
+        rank = rng.randrange(3)
+        t += rng.uniform(0.2, 1.5)
+        failures.append(Failure(rank, t, "kill"))
+        t += rng.uniform(1.2, 3.0)
+        failures.append(Failure(rank, t, "rejoin"))
+    tr = sim(mode, [10.0, 14.0, 25.0], failures, seed=seed).run()
+    assert tr.ok, tr.reason
+    assert tr.coverage_ok == [True, True, True]
+    assert len(tr.rejoins) == len(tr.deaths)
+
+
+@pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence"])
+def test_collective_modes_refuse_a_rejoin_naming_why(mode: str) -> None:
+    s = sim(mode, [10.0, 10.0, 10.0], [Failure(2, 1.0, "kill"), Failure(2, 3.0, "rejoin")])
+    tr = s.run()
+    assert tr.ok, tr.reason
+    assert tr.rejoins == []
+    [(_, rank, reason)] = tr.rejoin_refusals
+    assert rank == 2
+    assert "ranks rejoin only in CPU-averaging modes" in reason
+    assert tr.coverage_ok == [True, True, True]  # the survivors finished the run
