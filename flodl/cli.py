@@ -148,7 +148,7 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         default=None,
         metavar="N",
         help="restart a rank process that fails, up to N times per rank, without restarting "
-        "the others; it rejoins the run (CPU-averaging modes; overrides TrainerConfig.respawn)",
+        "the others; it rejoins the run (overrides TrainerConfig.respawn)",
     )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- python train.py [args]")
     p.set_defaults(command=_run_launch)

@@ -86,7 +86,7 @@ class TrainerBuilder:
     def respawn(self, times: int) -> TrainerBuilder:
         """A launcher (local ranks, a cluster) restarts a rank process that fails, up to
         ``times`` times per rank, without restarting the others; the new process rejoins the
-        run (CPU-averaging modes; docs/design.md §2, "Rejoin")."""
+        run (docs/design.md §2, "Rejoin")."""
         return self._set("respawn", times)
 
     def heartbeat_timeout(self, seconds: float) -> TrainerBuilder:

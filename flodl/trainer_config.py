@@ -49,7 +49,7 @@ class TrainerConfig(BaseModel):
     max_failure: MaxFailure | None = None
     respawn: Annotated[int, Field(ge=0, le=1000)] = 0
     """A launcher restarts a failed rank process up to this many times per rank (it rejoins;
-    CPU-averaging modes only; ``flodl launch --respawn N`` sets it for a cluster)."""
+    ``flodl launch --respawn N`` sets it for a cluster)."""
     heartbeat_timeout: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = (
         DEFAULT_HEARTBEAT_TIMEOUT_S
     )
@@ -132,7 +132,7 @@ class TrainerConfig(BaseModel):
             raise ValueError(
                 f"epoch_callback_policy Rank({policy}) is out of range for {world} rank(s)"
             )
-        problem = respawn_problem(self.respawn, self.elche)
+        problem = respawn_problem(self.respawn, self.elche, self.outer_optimizer)
         if problem is not None:
             raise ValueError(problem)
         if self.eval_fn is None and (self.eval_result_fn is not None or self.eval_every):
@@ -145,12 +145,14 @@ class TrainerConfig(BaseModel):
         return self
 
 
-def respawn_problem(respawn: int, elche: ElCheConfig) -> str | None:
-    """Why ``respawn`` restarts cannot be honoured in ``elche``'s mode (None: they can)."""
-    if respawn and not elche.traits.cpu_averaging:
+def respawn_problem(respawn: int, elche: ElCheConfig, outer: OuterConfig) -> str | None:
+    """Why ``respawn`` restarts cannot be honoured (None: they can): in a collective mode the
+    outer optimizer's state lives on every rank, so a respawned rank would have none."""
+    if respawn and not elche.traits.cpu_averaging and not outer.is_identity:
         return (
-            f"respawn needs a CPU-averaging mode (cpu_sync, cpu_cadence, cpu_async): a rank of "
-            f"{elche.mode} cannot rejoin its collective group"
+            f"respawn with an outer optimizer ({outer.kind}) needs a CPU-averaging mode "
+            f"(cpu_sync, cpu_cadence, cpu_async): in {elche.mode} its state lives on every "
+            "rank and a respawned rank would have none"
         )
     return None
 

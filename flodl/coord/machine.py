@@ -121,7 +121,6 @@ class Coordinator:
         self.save_reason: SaveReason | None = None
         self.save_detail = ""
         self.membership = Membership(w, config.run_id, config.timeouts)
-        self.membership.rejoin_allowed = t.cpu_averaging
         self.elche = ElChe(
             w,
             anchor=el.anchor,
@@ -171,6 +170,9 @@ class Coordinator:
         self._run_over = False
         self._resumed: ResumeState | None = None
         self._dead_at: dict[int, float] = {}
+        self._grow_due = False
+        """Collective modes: a rank rejoined and the group must re-form with it once no
+        cycle is pending (re-forming under a pending collective would split its members)."""
         self._rejoined_at: dict[int, float] = {}
         if resume is not None:
             self._seed_resume(resume)
@@ -316,12 +318,7 @@ class Coordinator:
         """Whether a ``hello`` of a new incarnation of ``rank`` would be admitted now (it is
         dead, the mode rejoins, the run trains and is not stopping)."""
         m = self.membership
-        return (
-            m.in_range(rank)
-            and m.is_dead(rank)
-            and m.rejoin_allowed
-            and self._rejoin_refusal() is None
-        )
+        return m.in_range(rank) and m.is_dead(rank) and self._rejoin_refusal() is None
 
     def meta_record(self, reason: SaveReason | str) -> dict[str, Any]:
         """The checkpoint meta as JSON-ready data (docs/design.md §2, "Meta")."""
@@ -523,7 +520,8 @@ class Coordinator:
 
     def _rejoin(self, rank: int, accept: Accept, now: float, out: list[Effect]) -> None:
         """A dead rank's new incarnation (docs/design.md §2, "Rejoin"): alive, awaiting the
-        consensus, which the next averaging cycle gives it (it enters with weight 0)."""
+        consensus, which the next averaging cycle gives it (it enters with weight 0);
+        collective modes first re-form the group with it."""
         incarnation = self.membership.rejoin(rank, now)
         out.append(RankRejoined(rank, incarnation))  # before the accept: its data hello
         out.append(Reply(accept))
@@ -543,7 +541,17 @@ class Coordinator:
                 "info",
             )
         )
+        if not self.traits.cpu_averaging:
+            self._grow_due = True
+            self._maybe_grow_session(out)
         self._maybe_trigger(now, out)
+
+    def _maybe_grow_session(self, out: list[Effect]) -> None:
+        """Collective modes: re-form the group with the ranks that rejoined, once no cycle is
+        pending (every member then gets ``new_session`` before the next ``sync_now``)."""
+        if self._grow_due and not self.cycle.pending:
+            self._grow_due = False
+            out.extend(self.membership.reform_session(None))
 
     def _caught_up(self, now: float, out: list[Effect]) -> None:
         """Rejoined ranks that entered the cycle just finalized hold the consensus: they may
@@ -626,6 +634,7 @@ class Coordinator:
         self.callbacks.on_death(rank, self.elche.smoothed_ms, out)
         if not self.traits.cpu_averaging:
             out.extend(membership.reform_session(rank, reason))
+            self._grow_due = False  # the new session has every live rank, rejoined ones too
         self.callbacks.send_roles_if_dirty(out)
         if self.phase is RunPhase.FINAL_EVAL:
             if not self.callbacks.retry_final_eval(out):
@@ -732,6 +741,7 @@ class Coordinator:
                 if plan is not None:
                     fold[r] = plan
         self.averaging.release(number, out, fold)
+        self._maybe_grow_session(out)
         self._advance_epochs(now, out)
 
     def _finalize(self, now: float, out: list[Effect]) -> None:

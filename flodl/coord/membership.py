@@ -11,12 +11,12 @@ and nothing else in the coordinator keeps its own copy of it:
   the group among the survivors after every death, renumbering them by ascending global rank;
 * **recovery**: the ranks declared dead since the last finalized cycle (the ``recovered``
   record);
-* **rejoin** (docs/design.md §2, "Rejoin"): in CPU-averaging modes a rank declared dead may come
-  back as a new *incarnation* while the run trains. It is alive from its ``hello`` on but
-  *awaiting the consensus*: it trains nothing until an averaging cycle it entered (with weight
-  0) finalizes, which gives it the consensus parameters. Nothing of an earlier incarnation is
-  accepted: its control connection was closed at the death, and its data-plane keys were bound
-  to that connection's nonces.
+* **rejoin** (docs/design.md §2, "Rejoin"): a rank declared dead may come back as a new
+  *incarnation* while the run trains (collective modes grow the group back to it). It is alive
+  from its ``hello`` on but *awaiting the consensus*: it trains nothing until an averaging
+  cycle it entered (with weight 0) finalizes, which gives it the consensus parameters.
+  Nothing of an earlier incarnation is accepted: its control connection was closed at the
+  death, and its data-plane keys were bound to that connection's nonces.
 """
 
 from __future__ import annotations
@@ -62,8 +62,6 @@ class Membership:
         """How many times each rank rejoined (0: the incarnation that formed the run)."""
         self.awaiting: set[int] = set()
         """Rejoined ranks that have not received the consensus yet (they train nothing)."""
-        self.rejoin_allowed = False
-        """Whether a dead rank may rejoin (CPU averaging; set by the machine)."""
 
     # ------------------------------------------------------------------ queries
     def in_range(self, rank: int) -> bool:
@@ -134,11 +132,6 @@ class Membership:
         if state is RankState.EXITED:
             return f"rank {hello.rank} already finished"
         if state is RankState.DEAD:
-            if not self.rejoin_allowed:
-                return (
-                    f"rank {hello.rank} was declared dead, and ranks rejoin only in CPU-averaging "
-                    "modes (cpu_sync, cpu_cadence, cpu_async)"
-                )
             if rejoining is not None:
                 return f"rank {hello.rank} cannot rejoin: {rejoining}"
         elif not forming:
@@ -223,16 +216,18 @@ class Membership:
             max_failure=max_failure,
         )
 
-    def reform_session(self, dead: int, reason: str) -> list[Effect]:
-        """Collective modes: a new session among the survivors of ``dead``'s death; the
-        frames that tell every survivor."""
+    def reform_session(self, dead: int | None, reason: str = "") -> list[Effect]:
+        """Collective modes: a new session among the live ranks — the survivors of ``dead``'s
+        death, or (``dead`` None) the members plus the ranks that rejoined; the frames that
+        tell every member."""
         alive = self.alive()
         session, members = self.sessions.reform(alive)
         prefix = self.sessions.store_prefix(self.run_id)
         out: list[Effect] = []
-        declared = DeclareDead(rank=dead, reason=reason)
+        declared = None if dead is None else DeclareDead(rank=dead, reason=reason)
         for r in alive:
-            out.append(Send(r, declared))
+            if declared is not None:
+                out.append(Send(r, declared))
             out.append(
                 Send(
                     r,

@@ -164,7 +164,7 @@ class _Launcher:
     def __init__(self, job: TrainJob, c: TrainerConfig, cluster: Cluster) -> None:
         self.job, self.c, self.cluster = job, c, cluster
         self.respawn = respawn_limit(c.respawn)
-        problem = respawn_problem(self.respawn, c.elche)
+        problem = respawn_problem(self.respawn, c.elche, c.outer_optimizer)
         if problem is not None:
             raise ConfigError(problem)
         self.local_names = local_host_names()

@@ -210,6 +210,13 @@ class RankLoop:
         self.timeouts = Timeouts(accept.heartbeat_timeout_s, accept.timeout_scale)
         self.bridge.set_hard_exit_grace(self.timeouts.hard_exit_grace_s)
         self.protocol.admitted(accept.session, accept.incarnation)
+        if accept.incarnation > 0 and self.outer is not None:
+            raise FlodlError(
+                f"rank {spec.rank} cannot rejoin this run: with {self.el.mode} the outer "
+                f"optimizer's state ({job.outer.kind}) lives on every rank and a new incarnation "
+                "has none; use a CPU-averaging mode (its outer state is at the reduce server) "
+                "or resume the run from its bundle"
+            )
         if accept.incarnation > 0:
             # a rejoin: the model comes from the next averaging round; the inner optimizer
             # starts fresh (docs/design.md §2, "Rejoin")
@@ -306,7 +313,9 @@ class RankLoop:
                 device=self.device,
                 timeout_s=self.timeouts.collective_s,
             )
-            self.collective.form(f"{spec.run_id}/s{accept.session}", spec.rank, spec.world_size)
+            if accept.incarnation == 0:
+                self.collective.form(f"{spec.run_id}/s{accept.session}", spec.rank, spec.world_size)
+            # else: a rejoined rank forms the session its first frame (new_session) announces
 
     def _initial_broadcast(self) -> None:
         """Replicas start identical: rank 0's parameters and float buffers everywhere

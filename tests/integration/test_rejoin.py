@@ -25,6 +25,7 @@ from resume_runs import (
     within_parity,
 )
 
+from flodl.config import MODES
 from flodl.monitor.records import read_tree
 
 pytestmark = pytest.mark.integration
@@ -37,7 +38,7 @@ torch, connect) and still find most of it to train."""
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["cpu_sync", "cpu_cadence", "cpu_async"])
+@pytest.mark.parametrize("mode", MODES)
 def test_a_killed_rank_is_respawned_rejoins_and_trains_to_the_end(
     mode: str, tmp_path: Path
 ) -> None:

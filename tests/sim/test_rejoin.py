@@ -8,9 +8,9 @@ import random
 
 import pytest
 
+from flodl.config import MODES
 from flodl.sim import Failure, SimCluster
 
-CPU_MODES = ["cpu_sync", "cpu_cadence", "cpu_async"]
 BS = 32
 
 
@@ -20,7 +20,7 @@ def sim(mode: str, speeds: list[float], failures: list[Failure], **kw: object) -
     return SimCluster(len(speeds), mode, speeds, failures=failures, **args)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("mode", CPU_MODES)
+@pytest.mark.parametrize("mode", MODES)
 def test_a_killed_rank_that_rejoins_trains_again_and_no_sample_is_lost(mode: str) -> None:
     s = sim(
         mode,
@@ -41,7 +41,7 @@ def test_a_killed_rank_that_rejoins_trains_again_and_no_sample_is_lost(mode: str
     assert sum(tr.samples) >= 3 * 800 * BS
 
 
-@pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_async"])
+@pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_async", "nccl_cadence"])
 def test_a_rejoined_rank_is_recalibrated_to_a_count_proportional_to_its_speed(mode: str) -> None:
     # rank 2 was the slow one (30 ms a batch); it comes back on a machine 3x faster
     s = SimCluster(
@@ -57,7 +57,7 @@ def test_a_rejoined_rank_is_recalibrated_to_a_count_proportional_to_its_speed(mo
     assert abs(counts[2] / counts[0] - 1.0) <= 0.1, counts  # as fast as the others now
 
 
-@pytest.mark.parametrize("mode", CPU_MODES)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("seed", range(6))
 def test_random_kill_and_rejoin_schedules_keep_exact_coverage(mode: str, seed: int) -> None:
     rng = random.Random(seed)
@@ -73,15 +73,3 @@ def test_random_kill_and_rejoin_schedules_keep_exact_coverage(mode: str, seed: i
     assert tr.ok, tr.reason
     assert tr.coverage_ok == [True, True, True]
     assert len(tr.rejoins) == len(tr.deaths)
-
-
-@pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence"])
-def test_collective_modes_refuse_a_rejoin_naming_why(mode: str) -> None:
-    s = sim(mode, [10.0, 10.0, 10.0], [Failure(2, 1.0, "kill"), Failure(2, 3.0, "rejoin")])
-    tr = s.run()
-    assert tr.ok, tr.reason
-    assert tr.rejoins == []
-    [(_, rank, reason)] = tr.rejoin_refusals
-    assert rank == 2
-    assert "ranks rejoin only in CPU-averaging modes" in reason
-    assert tr.coverage_ok == [True, True, True]  # the survivors finished the run

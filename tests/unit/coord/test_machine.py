@@ -357,12 +357,29 @@ def test_mismatched_model_signature_is_refused() -> None:
 
 
 @pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence"])
-def test_a_dead_rank_cannot_rejoin_a_collective_run(mode: str) -> None:
-    c = joined(mode, 3)
+def test_a_rank_rejoining_a_collective_run_grows_the_group_back_once_no_cycle_is_pending(
+    mode: str,
+) -> None:
+    c = joined(mode, 3, dataset_len=9600)
+    c.run(until=lambda: c.coord.sync_rounds >= 2)
     c.kill(1)
-    reason = refusal(c.feed(hello(1, 3)))
-    assert "declared dead" in reason and "only in CPU-averaging modes" in reason
-    assert c.coord.membership.liveness.state(1) is RankState.DEAD
+    c.run(until=lambda: c.coord.sync_rounds >= 4 and c.coord.cycle.pending)
+    out = revive(c, 1)
+    # a cycle is pending: re-forming now would split its members; the grow waits for it
+    assert sends(out, NewSession) == []
+    assert c.coord.membership.awaiting == {1}
+    mark = len(c.trace)
+    c.run(until=lambda: bool(sends(c.trace[mark:], NewSession)))
+    grown = sends(c.trace[mark:], NewSession)
+    assert sorted(r for r, _ in grown) == [0, 1, 2]
+    assert all(f.ranks == [0, 1, 2] for _, f in grown)
+    assert not sends(c.trace[mark:], DeclareDead)  # a grow, not a death
+    c.run()
+    assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
+    assert c.step[1] > 0
+    for epoch in range(c.config.total_epochs):
+        cov = c.coord.coverage(epoch)
+        assert cov is not None and cov.ok, (epoch, cov)
 
 
 def revive(c: Cluster, rank: int) -> list[Effect]:
