@@ -66,7 +66,22 @@ def _add_coord(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "SLURM_PROCID/SLURM_NTASKS. The job options must match what the ranks train."
         ),
     )
-    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument(
+        "--world-size",
+        type=int,
+        help="ranks of the run (the same as --min-world-size N --max-world-size N)",
+    )
+    p.add_argument(
+        "--min-world-size",
+        type=int,
+        help="start training once this many ranks joined (default: --max-world-size)",
+    )
+    p.add_argument(
+        "--max-world-size",
+        type=int,
+        help="admit up to this many ranks (ids 0..N-1, FLODL_WORLD_SIZE=N on every rank); "
+        "ranks that come after the start, or restart, join the running run",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: this host only)")
     p.add_argument("--port", type=int, default=0, help="control port (0: any free port)")
     p.add_argument(
@@ -107,6 +122,28 @@ def _add_coord(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "here; it must match the ranks' outer_optimizer)",
     )
     p.set_defaults(command=_run_coord)
+
+
+def coord_world_sizes(
+    world: int | None, minimum: int | None, maximum: int | None
+) -> tuple[int, int | None]:
+    """``flodl coord``'s (world size, minimum world size) from ``--world-size`` or
+    ``--min-world-size`` / ``--max-world-size``.
+
+    Raises:
+        ConfigError: none given, both forms given, or a minimum above the maximum.
+    """
+    if world is not None:
+        if minimum is not None or maximum is not None:
+            raise ConfigError(
+                "give either --world-size N or --min-world-size M --max-world-size N, not both"
+            )
+        return world, None
+    if maximum is None:
+        raise ConfigError("give --world-size N, or --max-world-size N (and --min-world-size M)")
+    if minimum is not None and not 1 <= minimum <= maximum:
+        raise ConfigError(f"--min-world-size {minimum} must be in 1..--max-world-size ({maximum})")
+    return maximum, minimum
 
 
 def parse_outer(text: str) -> OuterConfig:
@@ -254,13 +291,17 @@ def _run_coord(args: argparse.Namespace) -> int:
     from flodl.timeouts import Timeouts
 
     try:
+        world, minimum = coord_world_sizes(
+            args.world_size, args.min_world_size, args.max_world_size
+        )
         if args.run_id is None:
             import secrets
 
             args.run_id = f"run-{secrets.token_hex(6)}"
         cfg = validated(
             CoordConfig,
-            world_size=args.world_size,
+            world_size=world,
+            min_world_size=minimum,
             dataset_len=args.dataset_len,
             batch_size=args.batch_size,
             num_epochs=args.epochs,
@@ -320,8 +361,13 @@ def _run_coord(args: argparse.Namespace) -> int:
         )
         sink.bundles.service = service
         port = await service.start()
+        sizes = (
+            str(cfg.world_size)
+            if cfg.min_world_size in (None, cfg.world_size)
+            else f"{cfg.min_world_size} to {cfg.world_size}"
+        )
         print(
-            f"flodl coordinator for run {cfg.run_id!r} ({cfg.world_size} ranks, {args.mode}) on "
+            f"flodl coordinator for run {cfg.run_id!r} ({sizes} ranks, {args.mode}) on "
             f"{args.host}:{port}\n"
             f"ranks join with: FLODL_COORD={args.host}:{port} "
             f"FLODL_SECRET_FILE={args.secret_file} FLODL_RUN_ID={cfg.run_id}",

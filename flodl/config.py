@@ -219,6 +219,11 @@ class CoordConfig(_Config):
     """Everything the pure coordinator needs to run one job."""
 
     world_size: Annotated[int, Field(ge=1, le=65_536)]
+    """The run's ranks: every rank id is below it (with ``min_world_size``, the most ranks
+    the run admits)."""
+    min_world_size: Annotated[int, Field(ge=1, le=65_536)] | None = None
+    """Training starts once this many ranks joined; the others may join while it trains
+    (docs/design.md §2, "Late joins"). ``None``: ``world_size`` (every rank forms the run)."""
     dataset_len: Annotated[int, Field(ge=1)]
     batch_size: Annotated[int, Field(ge=1)] = DEFAULT_BATCH_SIZE
     num_epochs: Annotated[int, Field(ge=1)] = 1
@@ -251,6 +256,10 @@ class CoordConfig(_Config):
     @model_validator(mode="after")
     def _check(self) -> Self:
         w = self.world_size
+        if self.min_world_size is not None and self.min_world_size > w:
+            raise ValueError(
+                f"min_world_size {self.min_world_size} is above the maximum world size {w}"
+            )
         if isinstance(self.epoch_callback_policy, int) and self.epoch_callback_policy >= w:
             raise ValueError(
                 f"epoch_callback_policy Rank({self.epoch_callback_policy}) is out of range for "
@@ -271,6 +280,11 @@ class CoordConfig(_Config):
     @property
     def index_space(self) -> int:
         return self.dataset_len * self.augment
+
+    @property
+    def forming_size(self) -> int:
+        """How many ranks must join before training starts."""
+        return self.world_size if self.min_world_size is None else self.min_world_size
 
     @property
     def total_epochs(self) -> int:

@@ -100,11 +100,12 @@ class Liveness:
             self._deadline_at = min(self._deadline_at, at)
 
     def rejoin(self, rank: int, now: float) -> None:
-        """A dead rank's new incarnation joined: dead → alive (its old connection is closed,
-        so nothing of the old incarnation can refresh it)."""
+        """A rank joined the running run: a dead rank's new incarnation (dead → alive: its old
+        connection is closed, so nothing of the old incarnation can refresh it), or a rank
+        that missed the formation (joining → alive)."""
         r = self._ranks[rank]
-        if r.state is not RankState.DEAD:
-            raise LocalProtocolError(f"rejoin: rank {rank} is {r.state.value}, not dead")
+        if r.state not in (RankState.DEAD, RankState.JOINING):
+            raise LocalProtocolError(f"rejoin: rank {rank} is {r.state.value}")
         r.reason = ""
         self.join(rank, now)
 

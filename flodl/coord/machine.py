@@ -28,6 +28,7 @@ import random
 from typing import Any
 
 from flodl.config import CoordConfig
+from flodl.coord.admission import Admission, running_refusal
 from flodl.coord.averaging import Averaging
 from flodl.coord.callbacks import Callbacks
 from flodl.coord.cycle import Cycle, CyclePhase, RankWindow
@@ -38,12 +39,10 @@ from flodl.coord.effects import (
     Effect,
     RankDead,
     RankLeft,
-    RankRejoined,
     Record,
     RefusePeer,
     Reply,
     RunOver,
-    Send,
 )
 from flodl.coord.elche import ElChe
 from flodl.coord.guards import ConvergenceGuard, MsfGuard, make_guard
@@ -58,7 +57,6 @@ from flodl.coord.resume import META_SCHEMA_VERSION, ResumeState
 from flodl.errors import LocalProtocolError, RemoteProtocolError
 from flodl.timeouts import HEARTBEAT_INTERVAL_S
 from flodl.wire.frames import (
-    Accept,
     Batch,
     BundleSaved,
     CheckpointResult,
@@ -78,7 +76,6 @@ from flodl.wire.frames import (
     Reject,
     ResourceSample,
     SaveReason,
-    SetEpochCallbackRole,
     SetGlobalStep,
     Shutdown,
     ShutdownWithSave,
@@ -120,7 +117,9 @@ class Coordinator:
         """Every phase the run entered, with why (read by tests and the simulator)."""
         self.save_reason: SaveReason | None = None
         self.save_detail = ""
-        self.membership = Membership(w, config.run_id, config.timeouts)
+        self.membership = Membership(
+            w, config.run_id, config.timeouts, forming_size=config.forming_size
+        )
         self.elche = ElChe(
             w,
             anchor=el.anchor,
@@ -169,11 +168,17 @@ class Coordinator:
         self._heartbeat_at: float | None = None
         self._run_over = False
         self._resumed: ResumeState | None = None
-        self._dead_at: dict[int, float] = {}
-        self._grow_due = False
-        """Collective modes: a rank rejoined and the group must re-form with it once no
-        cycle is pending (re-forming under a pending collective would split its members)."""
-        self._rejoined_at: dict[int, float] = {}
+        self.admission = Admission(
+            self.membership,
+            self.elche,
+            self.dispatch,
+            self.averaging,
+            self.callbacks,
+            self.cycle,
+            self.windows,
+            collective=not t.cpu_averaging,
+            paths=self.paths,
+        )
         if resume is not None:
             self._seed_resume(resume)
 
@@ -316,9 +321,10 @@ class Coordinator:
 
     def may_rejoin(self, rank: int) -> bool:
         """Whether a ``hello`` of a new incarnation of ``rank`` would be admitted now (it is
-        dead, the mode rejoins, the run trains and is not stopping)."""
+        dead, the run trains and is not stopping)."""
         m = self.membership
-        return m.in_range(rank) and m.is_dead(rank) and self._rejoin_refusal() is None
+        running = running_refusal(self.phase, self.save_reason) is None
+        return m.in_range(rank) and m.is_dead(rank) and running
 
     def meta_record(self, reason: SaveReason | str) -> dict[str, Any]:
         """The checkpoint meta as JSON-ready data (docs/design.md §2, "Meta")."""
@@ -365,27 +371,12 @@ class Coordinator:
             self._declare_dead(rank, why, now, out)
 
     def _begin_training(self, now: float, out: list[Effect]) -> None:
-        self._enter(RunPhase.TRAINING, "every rank joined")
+        self._enter(RunPhase.TRAINING, self.admission.formed(out))
         self.last_progress_at = now
         self.dispatch.refresh_all()
         self.averaging.open_initial_round(out)
         if self._resumed is not None:
-            r = self._resumed
-            out.append(
-                Record(
-                    "root",
-                    "resumed",
-                    {
-                        "epoch": r.epoch,
-                        "global_step": r.global_step,
-                        "world_size_at_save": r.world_size_at_save,
-                        "world_size": self.world_size,
-                        "uncovered_samples": (
-                            None if r.uncovered is None else sum(n for _, n in r.uncovered)
-                        ),
-                    },
-                )
-            )
+            out.append(Record("root", "resumed", self._resumed.record(self.world_size)))
         if self.averaging.global_step > 0:  # resumed: schedulers continue where the run stopped
             out.extend(
                 self.membership.broadcast(SetGlobalStep(global_step=self.averaging.global_step))
@@ -494,89 +485,25 @@ class Coordinator:
     def _on_hello(self, hello: Hello, now: float, out: list[Effect]) -> None:
         membership = self.membership
         reason = membership.refusal(
-            hello, forming=self.phase is RunPhase.FORMING, rejoining=self._rejoin_refusal()
+            hello,
+            forming=self.phase is RunPhase.FORMING,
+            rejoining=running_refusal(self.phase, self.save_reason),
         )
         if reason is not None:
             out.append(Reply(Reject(reason=reason)))
             out.append(RefusePeer(reason))
             return
-        accept = membership.accept(hello)
-        if hello.role != "supervisor" and membership.is_dead(hello.rank):
-            self._rejoin(hello.rank, accept, now, out)
+        running = hello.role != "supervisor" and self.phase is not RunPhase.FORMING
+        accept = membership.accept(hello, running=running)
+        if running:  # a rejoin, or a rank that missed the formation
+            self.admission.admit(hello.rank, accept, now, out)
+            self._maybe_trigger(now, out)
             return
         out.append(Reply(accept))
         if hello.role == "supervisor":
             return
         if membership.join(hello, now):
             self._begin_training(now, out)
-
-    def _rejoin_refusal(self) -> str | None:
-        """Why a dead rank may not rejoin now (None: it may)."""
-        if self.phase is RunPhase.TRAINING and self.save_reason is None:
-            return None
-        if self.phase is RunPhase.FINAL_EVAL:
-            return "every epoch is trained (the run is in its final eval)"
-        return f"the run is {self.phase.value}"
-
-    def _rejoin(self, rank: int, accept: Accept, now: float, out: list[Effect]) -> None:
-        """A dead rank's new incarnation (docs/design.md §2, "Rejoin"): alive, awaiting the
-        consensus, which the next averaging cycle gives it (it enters with weight 0);
-        collective modes first re-form the group with it."""
-        incarnation = self.membership.rejoin(rank, now)
-        out.append(RankRejoined(rank, incarnation))  # before the accept: its data hello
-        out.append(Reply(accept))
-        self.elche.revive(rank)
-        self.windows[rank] = RankWindow()
-        self.averaging.forget_snapshot(rank)
-        self.dispatch.invalidate_cohort()
-        self._rejoined_at[rank] = now
-        out.append(Send(rank, SetGlobalStep(global_step=self.averaging.global_step)))
-        out.append(Send(rank, SetEpochCallbackRole(rank=self.callbacks.roles.epoch_callback_role)))
-        out.append(
-            Alert(
-                "rank_rejoined",
-                self.paths[rank],
-                f"rank {rank} rejoined (incarnation {incarnation}); it trains once the next "
-                "averaging round gives it the consensus",
-                "info",
-            )
-        )
-        if not self.traits.cpu_averaging:
-            self._grow_due = True
-            self._maybe_grow_session(out)
-        self._maybe_trigger(now, out)
-
-    def _maybe_grow_session(self, out: list[Effect]) -> None:
-        """Collective modes: re-form the group with the ranks that rejoined, once no cycle is
-        pending (every member then gets ``new_session`` before the next ``sync_now``)."""
-        if self._grow_due and not self.cycle.pending:
-            self._grow_due = False
-            out.extend(self.membership.reform_session(None))
-
-    def _caught_up(self, now: float, out: list[Effect]) -> None:
-        """Rejoined ranks that entered the cycle just finalized hold the consensus: they may
-        train from now on (the ``rank_rejoined`` record, with its timings)."""
-        if self.cycle.weight_total == 0:  # nothing realized: every rank kept its own state
-            return
-        synced = self.membership.got_consensus(set(self.cycle.acked))
-        for rank in synced:
-            at = self._rejoined_at.pop(rank, now)
-            dead_at = self._dead_at.get(rank)
-            out.append(
-                Record(
-                    self.paths[rank],
-                    "rank_rejoined",
-                    {
-                        "rank": rank,
-                        "incarnation": self.membership.incarnations[rank],
-                        "down_s": None if dead_at is None else round(at - dead_at, 3),
-                        "consensus_s": round(now - at, 3),
-                        "world_size": self.membership.alive_count(),
-                    },
-                )
-            )
-        if synced:
-            self.dispatch.invalidate_cohort()
 
     def _on_gone(self, rank: int, reason: str, now: float, out: list[Effect]) -> None:
         state = self.membership.state(rank)
@@ -600,8 +527,7 @@ class Coordinator:
         membership, dispatch = self.membership, self.dispatch
         if not membership.declare_dead(rank, reason):
             return
-        self._dead_at[rank] = now
-        self._rejoined_at.pop(rank, None)
+        self.admission.on_death(rank, now)
         dispatch.gate.forget(rank)
         out.append(RankDead(rank, reason))
         out.append(Close(rank, reason))
@@ -634,7 +560,7 @@ class Coordinator:
         self.callbacks.on_death(rank, self.elche.smoothed_ms, out)
         if not self.traits.cpu_averaging:
             out.extend(membership.reform_session(rank, reason))
-            self._grow_due = False  # the new session has every live rank, rejoined ones too
+            self.admission.session_reformed()  # it has every live rank, admitted ones too
         self.callbacks.send_roles_if_dirty(out)
         if self.phase is RunPhase.FINAL_EVAL:
             if not self.callbacks.retry_final_eval(out):
@@ -725,8 +651,7 @@ class Coordinator:
         self.last_progress_at = now
         try:
             self._finalize(now, out)
-            if self.membership.awaiting:
-                self._caught_up(now, out)
+            self.admission.caught_up(now, out)
         finally:
             self.cycle.finish()  # never fold a round twice, even if finalizing failed
         fold: dict[int, EpochPlan] = {}
@@ -741,7 +666,7 @@ class Coordinator:
                 if plan is not None:
                     fold[r] = plan
         self.averaging.release(number, out, fold)
-        self._maybe_grow_session(out)
+        self.admission.maybe_grow_session(out)
         self._advance_epochs(now, out)
 
     def _finalize(self, now: float, out: list[Effect]) -> None:

@@ -48,8 +48,12 @@ class Membership:
         timeouts: the run's deadlines (the liveness timeout; ``accept`` carries them).
     """
 
-    def __init__(self, world_size: int, run_id: str, timeouts: Timeouts) -> None:
+    def __init__(
+        self, world_size: int, run_id: str, timeouts: Timeouts, *, forming_size: int | None = None
+    ) -> None:
         self.world_size = world_size
+        self.forming_size = world_size if forming_size is None else forming_size
+        """Ranks that must join before training starts (the others may join later)."""
         self.run_id = run_id
         self.timeouts = timeouts
         self.liveness = Liveness(world_size, timeouts.heartbeat_s)
@@ -60,6 +64,8 @@ class Membership:
         """Ranks declared dead since the last finalized cycle."""
         self.incarnations = [0] * world_size
         """How many times each rank rejoined (0: the incarnation that formed the run)."""
+        self.formed: frozenset[int] = frozenset()
+        """The ranks that formed the run (every later one joined or rejoined it running)."""
         self.awaiting: set[int] = set()
         """Rejoined ranks that have not received the consensus yet (they train nothing)."""
 
@@ -123,6 +129,8 @@ class Membership:
         if hello.world_size != self.world_size:
             return f"world size {hello.world_size} does not match this run ({self.world_size})"
         if hello.rank >= self.world_size:
+            if self.forming_size < self.world_size:
+                return f"rank {hello.rank} is beyond the run's maximum world size {self.world_size}"
             return f"rank {hello.rank} out of range for world size {self.world_size}"
         if hello.role == "supervisor":
             return None
@@ -134,8 +142,8 @@ class Membership:
         if state is RankState.DEAD:
             if rejoining is not None:
                 return f"rank {hello.rank} cannot rejoin: {rejoining}"
-        elif not forming:
-            return "the run is no longer forming"
+        elif not forming and rejoining is not None:  # a rank that missed the formation
+            return f"rank {hello.rank} cannot join: {rejoining}"
         if self.signature is not None and hello.model_signature != self.signature:
             return (
                 f"model signature {hello.model_signature[:12]}… differs from the first rank's "
@@ -143,8 +151,9 @@ class Membership:
             )
         return None
 
-    def accept(self, hello: Hello) -> Accept:
-        """The reply that admits ``hello`` (the shell adds the data and store ports)."""
+    def accept(self, hello: Hello, *, running: bool = False) -> Accept:
+        """The reply that admits ``hello`` (the shell adds the data and store ports);
+        ``running``: it joins a running run (its ``incarnation`` is then ≥ 1)."""
         return Accept(
             run_id=self.run_id,
             rank=hello.rank,
@@ -152,15 +161,16 @@ class Membership:
             session=self.sessions.session,
             heartbeat_timeout_s=self.timeouts.heartbeat_s,
             timeout_scale=self.timeouts.scale,
-            incarnation=self.incarnations[hello.rank] + int(self.is_dead(hello.rank)),
+            incarnation=self.incarnations[hello.rank] + int(running),
         )
 
     def is_dead(self, rank: int) -> bool:
         return self.state(rank) is RankState.DEAD
 
     def rejoin(self, rank: int, now: float) -> int:
-        """Admit a dead rank's new incarnation (not refused): alive, awaiting the consensus;
-        its incarnation number."""
+        """Admit a rank into the running run (not refused) — a dead rank's new incarnation,
+        or a rank that missed the formation: alive, awaiting the consensus; its incarnation
+        number (the count of its joins into the running run)."""
         self.liveness.rejoin(rank, now)
         self.incarnations[rank] += 1
         self.awaiting.add(rank)
@@ -178,7 +188,10 @@ class Membership:
         if self.signature is None:
             self.signature = hello.model_signature
         self.liveness.join(hello.rank, now)
-        return self.liveness.joined_count() == self.world_size
+        if self.liveness.joined_count() < self.forming_size:
+            return False
+        self.formed = frozenset(self.alive())
+        return True
 
     # ------------------------------------------------------------------ transitions
     def seen(self, rank: int, now: float) -> None:

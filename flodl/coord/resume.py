@@ -47,3 +47,15 @@ class ResumeState:
     elche: ElCheState | None = None
     uncovered: tuple[tuple[int, int], ...] | None = None
     world_size_at_save: int | None = None
+
+    def record(self, world_size: int) -> dict[str, object]:
+        """The ``resumed`` record of a run of ``world_size`` ranks started from this state."""
+        return {
+            "epoch": self.epoch,
+            "global_step": self.global_step,
+            "world_size_at_save": self.world_size_at_save,
+            "world_size": world_size,
+            "uncovered_samples": (
+                None if self.uncovered is None else sum(n for _, n in self.uncovered)
+            ),
+        }

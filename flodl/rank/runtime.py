@@ -246,9 +246,16 @@ class RankLoop:
         # Training starts when every rank joined: the first frame after Accept says so (the
         # coordinator opens the initial-broadcast round before sending it). It is applied
         # after the broadcast, as every later frame.
-        self.protocol.deferred.append(self._next_frame())
+        first = self._next_frame()
+        # A run that started below its maximum world size forms its collective group among
+        # the ranks that joined: the coordinator's first frame announces that session.
+        formed = first if isinstance(first, NewSession) and accept.incarnation == 0 else None
+        if formed is None:
+            self.protocol.deferred.append(first)
+        else:
+            self.protocol.session = formed.session
         self.protocol.started = True
-        self._connect_backend(accept)
+        self._connect_backend(accept, formed)
         if self.chaos is not None:
             self.chaos.begin()
         if accept.incarnation == 0:  # a rejoined rank takes the consensus in its first reduce
@@ -278,7 +285,7 @@ class RankLoop:
                 case _:  # Wait (Broadcast is done in begin())
                     self._obey(self._next_frame())
 
-    def _connect_backend(self, accept: Accept) -> None:
+    def _connect_backend(self, accept: Accept, formed: NewSession | None = None) -> None:
         spec = self.spec
         if self.el.traits.cpu_averaging:
             from flodl.rank.reduce_client import ReduceClient
@@ -313,9 +320,11 @@ class RankLoop:
                 device=self.device,
                 timeout_s=self.timeouts.collective_s,
             )
-            if accept.incarnation == 0:
+            if formed is not None:
+                self.collective.form(formed.store_prefix, formed.new_rank, formed.new_world_size)
+            elif accept.incarnation == 0:
                 self.collective.form(f"{spec.run_id}/s{accept.session}", spec.rank, spec.world_size)
-            # else: a rejoined rank forms the session its first frame (new_session) announces
+            # else: a rank joining the running run forms the session its new_session announces
 
     def _initial_broadcast(self) -> None:
         """Replicas start identical: rank 0's parameters and float buffers everywhere

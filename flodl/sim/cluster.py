@@ -65,6 +65,7 @@ from flodl.rank.protocol import (
     Stop,
     Train,
 )
+from flodl.sim.trace import Failure, SimTrace
 from flodl.timeouts import HEARTBEAT_INTERVAL_S, Timeouts
 from flodl.wire.frames import (
     Accept,
@@ -72,7 +73,6 @@ from flodl.wire.frames import (
     CoordFrame,
     CoordHeartbeat,
     EpochFnElapsed,
-    EpochMetrics,
     Exiting,
     Heartbeat,
     Hello,
@@ -80,78 +80,9 @@ from flodl.wire.frames import (
     Reject,
 )
 
-__all__ = ["Failure", "SimCluster", "SimTrace"]
+__all__ = ["Failure", "SimCluster", "SimTrace"]  # Failure and SimTrace: flodl.sim.trace
 
 _SIGNATURE = "0" * 64
-
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """A fault injected at virtual time ``at_s``.
-
-    ``kind``: ``"kill"`` (process dies; the launcher reports it after ``detect_delay_s``),
-    ``"hang"`` (the rank goes silent; only the heartbeat timeout notices), ``"rejoin"`` (a new
-    incarnation of a killed rank starts and says ``hello``: docs/design.md §2, "Rejoin"; it
-    must come at least a heartbeat interval after the kill, so that nothing of the old
-    incarnation is still scheduled).
-    """
-
-    rank: int
-    at_s: float
-    kind: Literal["kill", "hang", "rejoin"] = "kill"
-    ms_per_batch: float | None = None
-    """``rejoin``: the new incarnation's speed (``None``: the old one's)."""
-
-
-@dataclass(slots=True)
-class SimTrace:
-    """What a simulated run did."""
-
-    mode: str
-    seed: int
-    ok: bool = False
-    reason: str = ""
-    save_reason: str | None = None
-    wall_s: float = 0.0
-    cycles: int = 0
-    anchors: list[int] = field(default_factory=list)
-    batch_counts: list[list[int]] = field(default_factory=list)
-    busy_s: list[float] = field(default_factory=list)
-    idle_s: list[float] = field(default_factory=list)
-    samples: list[int] = field(default_factory=list)
-    epochs: list[EpochMetrics] = field(default_factory=list)
-    coverage_ok: list[bool] = field(default_factory=list)
-    deaths: list[tuple[float, int, str]] = field(default_factory=list)
-    rank_failures: list[tuple[float, int, str]] = field(default_factory=list)
-    """Ranks that failed on their own (a data-plane timeout, a refused upload): never
-    expected without a fault injected into them."""
-    shutdowns_with_save: int = 0
-    rejoins: list[tuple[float, int, int]] = field(default_factory=list)
-    """(virtual time, rank, incarnation) of every rejoin the coordinator accepted."""
-    rejoin_refusals: list[tuple[float, int, str]] = field(default_factory=list)
-    """(virtual time, rank, reason) of every rejoin it refused."""
-    alerts: list[tuple[float, str, str]] = field(default_factory=list)
-    """(virtual time, class, detail) of every alert the coordinator raised."""
-    digest: str = ""
-    steps: int = 0
-
-    @property
-    def idle_fraction(self) -> list[float]:
-        return [i / self.wall_s if self.wall_s > 0 else 0.0 for i in self.idle_s]
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "seed": self.seed,
-            "ok": self.ok,
-            "reason": self.reason,
-            "wall_s": round(self.wall_s, 3),
-            "syncs": self.cycles,
-            "final_anchor": self.anchors[-1] if self.anchors else None,
-            "final_counts": self.batch_counts[-1] if self.batch_counts else None,
-            "idle_fraction": [round(f, 4) for f in self.idle_fraction],
-            "samples": self.samples,
-        }
 
 
 Busy = Literal["batch", "reduce", "callback"]
@@ -215,6 +146,9 @@ class SimCluster:
             frame each time the value changes; ``None``: the rank has no scheduler).
         resume: what a checkpoint meta seeds into the coordinator (a resumed run, maybe saved
             at another world size).
+        min_world_size: training starts once this many ranks joined (``None``: all).
+        join_at: the virtual time each rank says ``hello`` (``None``: all at 0); with
+            ``min_world_size``, ranks that come after the formation join the running run.
     """
 
     def __init__(
@@ -241,6 +175,8 @@ class SimCluster:
         divergence: Callable[[int, int], float | None] | None = None,
         lr: Callable[[int, int], float] | None = None,
         resume: ResumeState | None = None,
+        min_world_size: int | None = None,
+        join_at: Sequence[float] | None = None,
     ) -> None:
         if len(speeds) != world_size:
             raise ValueError(f"speeds has {len(speeds)} entries for world_size {world_size}")
@@ -255,6 +191,7 @@ class SimCluster:
             num_epochs=epochs,
             elche=ElCheConfig.preset(mode, **(elche or {})),
             timeouts=self.timeouts,
+            min_world_size=min_world_size,
             max_failure=max_failure,
             has_epoch_fn=epoch_fn_ms > 0,
         )
@@ -290,6 +227,9 @@ class SimCluster:
         self._collective: dict[tuple[int, int], set[int]] = {}
         self._channel_at: dict[tuple[str, int], float] = {}
         self._faulted: set[int] = set()
+        self._join_at = join_at
+        if join_at is not None and len(join_at) != world_size:
+            raise ValueError(f"join_at has {len(join_at)} entries for world_size {world_size}")
         self._rejoining: int | None = None
         """The rank whose ``hello`` the coordinator is handling (its reply has no rank)."""
         self._counts_version = -1
@@ -322,14 +262,8 @@ class SimCluster:
     def run(self, *, max_virtual_s: float = 1e7, max_events: int = 50_000_000) -> SimTrace:
         """Simulate until the coordinator says the run is over; returns the trace."""
         for r in self.ranks:
-            hello = Hello(
-                run_id=self.config.run_id,
-                rank=r.rank,
-                world_size=len(self.ranks),
-                model_signature=_SIGNATURE,
-            )
-            self._to_coord(hello)
-            self._push(self.heartbeat_s, "heartbeat", r.rank)
+            at = 0.0 if self._join_at is None else float(self._join_at[r.rank])
+            self._push(at, "join", r.rank)
         events = 0
         while not self.coord.done:
             deadline = self.coord.next_deadline()
@@ -382,6 +316,8 @@ class SimCluster:
                 self._push(self.now + self.heartbeat_s, "heartbeat", payload)
         elif kind == "fault":
             self._fault(payload)
+        elif kind == "join":
+            self._say_hello(self.ranks[payload])
         elif kind == "reduced":
             self._reduced(payload)
         elif kind == "collective_failed":
@@ -688,14 +624,17 @@ class SimCluster:
             reduce_seq=old.reduce_seq,
         )
         self.ranks[old.rank] = new
+        self._say_hello(new)
+
+    def _say_hello(self, r: _SimRank) -> None:
         hello = Hello(
             run_id=self.config.run_id,
-            rank=new.rank,
+            rank=r.rank,
             world_size=len(self.ranks),
             model_signature=_SIGNATURE,
         )
         self._to_coord(hello)
-        self._push(self.now + self.heartbeat_s, "heartbeat", new.rank)
+        self._push(self.now + self.heartbeat_s, "heartbeat", r.rank)
 
     # ------------------------------------------------------------------ invariants
     def _check(self) -> None:

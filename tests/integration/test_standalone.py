@@ -25,7 +25,12 @@ RUN_IDS: dict[str, str] = {}
 
 
 def start_coord(
-    tmp: Path, *extra: str, env: dict[str, str] | None = None, verbose: bool = False
+    tmp: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    verbose: bool = False,
+    world: Sequence[str] = ("--world-size", "2"),
+    dataset_len: int = 2048,
 ) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [
@@ -34,10 +39,9 @@ def start_coord(
             "flodl",
             *(["-v"] if verbose else []),
             "coord",
-            "--world-size",
-            "2",
+            *world,
             "--dataset-len",
-            "2048",
+            str(dataset_len),
             "--epochs",
             "2",
             "--secret-file",
@@ -60,7 +64,7 @@ def start_coord(
 
 
 def flodl_env(
-    address: str, tmp: Path, rank: int, base: Mapping[str, str] = os.environ
+    address: str, tmp: Path, rank: int, base: Mapping[str, str] = os.environ, world: int = 2
 ) -> dict[str, str]:
     """``base`` plus what a rank needs to join the coordinator at ``address`` by hand."""
     return {
@@ -69,7 +73,7 @@ def flodl_env(
         "FLODL_RUN_ID": RUN_IDS[address],
         "FLODL_SECRET_FILE": str(tmp / "secret"),
         "FLODL_RANK": str(rank),
-        "FLODL_WORLD_SIZE": "2",
+        "FLODL_WORLD_SIZE": str(world),
     }
 
 
@@ -95,10 +99,11 @@ def stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
     return out, err
 
 
-def identical(tmp: Path) -> None:
+def identical(tmp: Path, world: int = 2) -> None:
     a = torch.load(tmp / "rank0.pt", weights_only=True)["params"]
-    b = torch.load(tmp / "rank1.pt", weights_only=True)["params"]
-    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a, b, strict=True))
+    for r in range(1, world):
+        b = torch.load(tmp / f"rank{r}.pt", weights_only=True)["params"]
+        assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a, b, strict=True)), r
 
 
 @pytest.mark.timeout(180)
@@ -348,3 +353,58 @@ def test_a_stopped_standalone_run_says_so_and_how_to_resume(tmp_path: Path) -> N
     last = survivor.strip().splitlines()[-1].removeprefix("[rank0]: ")  # torch's prefix
     assert last.startswith("flodl.errors.TrainingStopped: training stopped (single_survivor)")
     assert f".resume_from({stem!r})" in last
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_cadence"])
+def test_a_rank_started_after_the_minimum_world_size_joins_the_running_run(
+    mode: str, tmp_path: Path
+) -> None:
+    coord, address = start_coord(
+        tmp_path,
+        *("--mode", mode, "--epochs", "6"),
+        world=("--min-world-size", "2", "--max-world-size", "3"),
+        verbose=True,
+    )
+    procs: list[subprocess.Popen[bytes]] = []
+    rank_args = [str(JOIN), "--out", str(tmp_path), "--mode", mode, "--epochs", "6"]
+    rank_args += ["--slow-ms", "30"]
+    try:
+        for rank in range(2):
+            env = flodl_env(address, tmp_path, rank, world=3)
+            procs.append(subprocess.Popen([sys.executable, *rank_args], env=env))
+        wait_for_training(coord)  # the first epoch closed with two ranks
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *rank_args], env=flodl_env(address, tmp_path, 2, world=3)
+            )
+        )
+        assert [p.wait(timeout=150) for p in procs] == [0, 0, 0]
+        assert coord.wait(timeout=30) == 0
+        out, err = stop(coord)
+        assert "run complete" in out
+        assert "[rank_joined] root/rank2: rank 2 joined" in err, err[-3000:]
+        assert "[coverage]" not in err  # every epoch's ledger audited exact when it closed
+        identical(tmp_path, 3)  # the late rank took part in the final reduce
+        steps = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True)["steps"] for r in range(3)]
+        assert 0 < steps[2] < min(steps[:2]), steps  # it trained, from the middle of the run
+    finally:
+        reap(procs)
+        stop(coord)
+
+
+def test_min_and_max_world_sizes_are_checked(tmp_path: Path) -> None:
+    secret = ["--secret-file", str(tmp_path / "secret")]
+    for args, message in (
+        (["--min-world-size", "3", "--max-world-size", "2"], "must be in 1..--max-world-size"),
+        (["--world-size", "2", "--max-world-size", "3"], "not both"),
+        (["--min-world-size", "2"], "give --world-size N, or --max-world-size N"),
+    ):
+        run = subprocess.run(
+            [sys.executable, "-m", "flodl", "coord", *args, *secret, "--dataset-len", "64"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert run.returncode == 2 and message in run.stderr, (args, run.stderr)

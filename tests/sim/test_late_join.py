@@ -1,0 +1,56 @@
+"""Ranks that join a running run (``min_world_size`` below the world size): the production
+coordinator and rank protocol on the simulator's clock, invariants checked after every step
+(docs/design.md §2, "Late joins")."""
+
+from __future__ import annotations
+
+import pytest
+
+from flodl.config import MODES
+from flodl.sim import SimCluster
+
+BS = 32
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_third_rank_joining_mid_epoch_gets_a_share_and_no_sample_is_lost(mode: str) -> None:
+    s = SimCluster(
+        3, mode, [10.0, 10.0, 10.0], dataset_len=25_600, batch_size=BS, epochs=3, seed=2,
+        min_world_size=2, join_at=[0.0, 0.0, 1.5],
+    )  # fmt: skip
+    tr = s.run()
+    assert tr.ok, tr.reason
+    assert tr.coverage_ok == [True, True, True]
+    assert tr.deaths == [] and [(r, k) for _, r, k in tr.rejoins] == [(2, 1)]
+    assert "2 of 3 ranks joined (the minimum world size)" in s.coord.phase_log[1][1]
+    # the late rank trained; the first two trained before it came, so they trained more
+    assert 0 < tr.samples[2] < min(tr.samples[:2])
+    # every batch of every epoch exactly once (no death, so no redone work)
+    assert sum(tr.samples) == 3 * 800 * BS
+    last = tr.epochs[-1].per_rank_samples
+    assert all(n > 0 for n in last), last  # the last epoch is shared by the three
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_cadence", "cpu_async"])
+def test_a_late_rank_is_calibrated_to_a_count_proportional_to_its_speed(mode: str) -> None:
+    s = SimCluster(
+        3, mode, [10.0, 10.0, 5.0], dataset_len=64_000, batch_size=BS, epochs=2, seed=1,
+        min_world_size=2, join_at=[0.0, 0.0, 3.0],
+    )  # fmt: skip
+    tr = s.run()
+    assert tr.ok, tr.reason
+    assert tr.coverage_ok == [True, True]
+    counts = tr.batch_counts[-1]
+    assert abs(counts[2] / counts[0] - 2.0) <= 0.2, counts  # twice as fast: twice the count
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_sync"])
+def test_a_run_at_its_minimum_world_size_completes_when_the_others_never_come(mode: str) -> None:
+    s = SimCluster(
+        4, mode, [10.0, 10.0, 10.0, 10.0], dataset_len=6400, batch_size=BS, epochs=2, seed=3,
+        min_world_size=2, join_at=[0.0, 0.0, 1e6, 1e6],
+    )  # fmt: skip
+    tr = s.run()
+    assert tr.ok, tr.reason
+    assert tr.coverage_ok == [True, True]
+    assert tr.samples[2:] == [0, 0] and sum(tr.samples) == 2 * 200 * BS
