@@ -379,6 +379,17 @@ def test_a_rank_started_after_the_minimum_world_size_joins_the_running_run(
                 [sys.executable, *rank_args], env=flodl_env(address, tmp_path, 2, world=3)
             )
         )
+        # a join of another run is refused with the reason, and changes nothing in this one
+        stranger = subprocess.run(
+            [sys.executable, *rank_args],
+            env={**flodl_env(address, tmp_path, 2, world=3), "FLODL_RUN_ID": "run-other"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert stranger.returncode != 0
+        assert "run id 'run-other' does not match this run" in stranger.stderr, stranger.stderr
         assert [p.wait(timeout=150) for p in procs] == [0, 0, 0]
         assert coord.wait(timeout=30) == 0
         out, err = stop(coord)
