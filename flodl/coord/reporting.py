@@ -82,6 +82,7 @@ class Reporting:
                     "batch_counts": list(elche.batch_counts),
                     "heartbeat_age_s": self.membership.heartbeat_ages(now),
                     "phase": elche.phase.value,
+                    "ranks": self.membership.alive_count(),
                 },
             )
         )
@@ -117,6 +118,7 @@ class Reporting:
             "batch_counts": elche.batch_counts,
             "syncs": syncs,
             "heartbeat_age_s": self.membership.heartbeat_ages(now),
+            "ranks": self.membership.alive_count(),
         }
         if d_raw is not None:
             engine["d_raw"] = d_raw

@@ -38,7 +38,14 @@ from flodl.monitor.records import SEVERITIES, make_record, validate_path
 
 __all__ = ["ALERT_CLASSES", "AlertLane", "format_alert"]
 
-ALERT_CLASSES: Final = ("rank_lost", "drift", "control_drop", "reduce_stall")
+ALERT_CLASSES: Final = (
+    "rank_lost",
+    "rank_joined",
+    "rank_rejoined",
+    "drift",
+    "control_drop",
+    "reduce_stall",
+)
 """Classes flodl raises itself; any other short lowercase word is accepted too."""
 
 _CLASS_RE: Final = re.compile(r"[a-z][a-z0-9_]{0,31}")

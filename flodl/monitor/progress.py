@@ -1,6 +1,9 @@
 """The launcher's terminal progress display: one line per update (docs/design.md §7).
 
-``flodl ▏epoch 2/5  47% ▏loss 0.3412 ▏r0 12.3k/s 52% · r1 8.1k/s 48% ▏syncs 12 ▏ETA 1m23s``
+``flodl ▏epoch 2/5  47% ▏loss 0.3412 ▏ranks 2/2 ▏r0 12.3k/s 52% · r1 8.1k/s 48% ▏ETA 1m23s``
+
+``ranks n/W`` is the live ranks out of the world size: it drops when a rank dies and grows
+back when one rejoins or joins late.
 
 It reads the same records the record log and the dashboard get (node reports at reduce
 boundaries, epoch records), so it costs nothing extra. Lines are appended, never redrawn, so a
@@ -74,6 +77,7 @@ class ProgressDisplay:
         self.shares: dict[int, float] = {}
         self.syncs: int | None = None
         self.anchor: int | None = None
+        self.ranks: int | None = None
         self.lines = 0
 
     # ------------------------------------------------------------------ feeding
@@ -112,6 +116,8 @@ class ProgressDisplay:
             self.syncs = data["syncs"]
         if isinstance(data.get("anchor"), int):
             self.anchor = data["anchor"]
+        if isinstance(data.get("ranks"), int):
+            self.ranks = data["ranks"]
 
     # ------------------------------------------------------------------ output
     def line(self) -> str:
@@ -120,6 +126,8 @@ class ProgressDisplay:
         parts = [f"flodl ▏epoch {min(self.epoch + 1, self.total)}/{self.total} {pct:3.0f}%"]
         if self.loss is not None and math.isfinite(self.loss):
             parts.append(f"loss {self.loss:.4f}")
+        if self.ranks is not None:
+            parts.append(f"ranks {self.ranks}/{self.world}")
         ranks = []
         for r in sorted(set(self.rates) | set(self.shares)):
             rate = format_rate(self.rates[r]) if r in self.rates else "—"

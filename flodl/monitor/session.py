@@ -193,7 +193,8 @@ class MonitorSession:
         if self.progress is not None:
             for r in range(len(m.per_rank_throughput)):
                 self.progress.on_node(self.paths[r], _rank_node(m, r, self.batch_size))
-            self.progress.on_epoch(m.epoch, m.avg_loss, {"syncs": m.syncs, "anchor": m.anchor})
+            engine = {"syncs": m.syncs, "anchor": m.anchor, "ranks": extra.get("ranks")}
+            self.progress.on_epoch(m.epoch, m.avg_loss, engine)
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -112,6 +112,16 @@ def test_progress_lines() -> None:
     assert format_eta(None) == "—" and format_eta(3725) == "1h02m"
 
 
+def test_progress_lines_show_the_live_ranks_drop_and_grow_back() -> None:
+    buf = io.StringIO()
+    p = ProgressDisplay(4, 3, out=buf, clock=lambda: 0.0)
+    p.on_node("root", {"epoch": 0, "epoch_progress": 0.2, "ranks": 3})
+    p.on_node("root", {"epoch": 0, "epoch_progress": 0.6, "ranks": 2})  # a rank died
+    p.on_epoch(0, 0.5, {"ranks": 3})  # ... and rejoined
+    shown = [line.split("ranks ")[1].split(" ")[0] for line in buf.getvalue().splitlines()]
+    assert shown == ["3/3", "2/3", "3/3"]
+
+
 def test_a_broken_terminal_costs_the_display_only() -> None:
     class Broken(io.StringIO):
         def write(self, s: str) -> int:
