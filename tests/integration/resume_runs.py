@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -46,6 +47,13 @@ def run(
     (tmp / f"{name}.stdout").write_text(out.stdout)
     (tmp / f"{name}.stderr").write_text(out.stderr)
     return out
+
+
+def forget_run(tmp: Path, name: str, stem: Path) -> None:
+    """Remove a run's logs and its bundle's files (an attempt that is tried again)."""
+    shutil.rmtree(tmp / name)
+    for leftover in stem.parent.glob(stem.name + ".*"):
+        leftover.unlink()
 
 
 def metrics(stdout: str) -> list[dict[str, Any]]:

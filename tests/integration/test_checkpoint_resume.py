@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +18,16 @@ import uuid
 from pathlib import Path
 
 import pytest
-from resume_runs import REPO, SCRIPT, done, final_matches_bundle, metrics, run, split_epochs
+from resume_runs import (
+    REPO,
+    SCRIPT,
+    done,
+    final_matches_bundle,
+    forget_run,
+    metrics,
+    run,
+    split_epochs,
+)
 
 from flodl import checkpoint
 from flodl.errors import CheckpointError
@@ -64,9 +72,7 @@ def test_shutdown_with_save_then_resume_trains_each_uncovered_sample_once(tmp_pa
         assert resume_call in stopped, stopped
         if 0 < len(todo) < n:
             break
-        shutil.rmtree(tmp_path / "a")
-        for leftover in tmp_path.glob("ck.*"):
-            leftover.unlink()
+        forget_run(tmp_path, "a", stem)
     else:
         pytest.fail(f"the failure never landed mid-epoch (crash steps {steps})")
     assert meta.elche_state is not None and meta.elche_state["phase"] != "probe"

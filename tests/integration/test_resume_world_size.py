@@ -14,7 +14,16 @@ import shutil
 from pathlib import Path
 
 import pytest
-from resume_runs import done, evals, metrics, run, split_epochs, uninterrupted, within_parity
+from resume_runs import (
+    done,
+    evals,
+    forget_run,
+    metrics,
+    run,
+    split_epochs,
+    uninterrupted,
+    within_parity,
+)
 
 from flodl import checkpoint
 from flodl.config import MODES
@@ -55,9 +64,7 @@ def test_a_three_rank_bundle_resumes_at_other_world_sizes_with_exact_coverage(
         todo = checkpoint.uncovered_samples(meta, N)
         if meta.epoch < EPOCHS - 1 and todo is not None and 0 < len(todo) < N:
             break
-        shutil.rmtree(tmp_path / "a")
-        for leftover in tmp_path.glob("ck.*"):
-            leftover.unlink()
+        forget_run(tmp_path, "a", stem)
     else:
         pytest.fail(f"the failure never landed mid-epoch before the last (steps {CRASH_STEPS})")
     e = meta.epoch
