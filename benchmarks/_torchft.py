@@ -27,7 +27,14 @@ from typing import Any, Self
 import torch
 from _ddp import SLOW_RANK, TimedStep, batches, equal_split, free_port
 
-__all__ = ["unavailable", "torchft_version", "Lighthouse", "run_localsgd", "spawn_replicas"]
+__all__ = [
+    "unavailable",
+    "torchft_version",
+    "Lighthouse",
+    "run_localsgd",
+    "spawn_replicas",
+    "spawn_replica",
+]
 
 os.environ.setdefault("RUST_LOG", "error")  # the lighthouse logs every quorum at INFO
 
@@ -202,10 +209,13 @@ def _replica(replica: int, cfg: dict[str, Any], lighthouse: str, out_dir: str) -
                 quorum_id=manager._quorum_id,
                 participants=manager.num_participants(),
                 members=spy.replica_ids,
+                healing=bool(manager._healing),  # this replica recovers a peer's state now
+                step=before,
             )
             self._perform_sync()
             self._local_step = 0
-            _log(events, event="commit", committed=manager.current_step() > before)
+            step = manager.current_step()
+            _log(events, event="commit", committed=step > before, step=step)
 
     world = int(cfg["world"])
     forever = bool(cfg.get("forever", False))
@@ -246,6 +256,20 @@ def spawn_replicas(cfg: dict[str, Any], lighthouse: str, out_dir: Path) -> Any:
         join=False,
         start_method="spawn",
     )
+
+
+def spawn_replica(replica: int, cfg: dict[str, Any], lighthouse: str, out_dir: Path) -> Any:
+    """Start one more process for replica group ``replica`` (a restart after its death: same
+    replica id and config; it appends to the same logs); returns the started
+    ``multiprocessing`` process (spawn)."""
+    import multiprocessing
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_replica, args=(replica, cfg, lighthouse, str(out_dir)), daemon=False
+    )
+    proc.start()
+    return proc
 
 
 def run_localsgd(cfg: dict[str, Any], out_dir: Path, timeout_s: float = 600.0) -> dict[str, Any]:

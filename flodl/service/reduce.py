@@ -184,6 +184,9 @@ class ReduceServer:
         # Everything below is guarded by self._cond.
         self._conns: set[Conn] = set()
         self._by_rank: dict[int, Conn] = {}
+        self._hello_nonces: set[bytes] = set()
+        """Every authenticated hello's nonce (one per genuine connection, so bounded by them):
+        a replayed hello is refused."""
         self._book = RoundBook(world_size)
         self._rounds: dict[int, Round] = {}
         self._models: dict[TensorKind, Model] = {}
@@ -468,7 +471,7 @@ class ReduceServer:
             if n == 0:
                 raise Refused(f"closed after {got} of {HELLO_BYTES} hello bytes")
             got += n
-        rank, world_size = parse_data_hello(self.secret, self.run_id, hello)
+        rank, world_size, nonce = parse_data_hello(self.secret, self.run_id, hello)
         if world_size != self.world_size:
             raise Refused(f"hello for a world of {world_size}, this run has {self.world_size}")
         if not 0 <= rank < world_size:
@@ -476,11 +479,14 @@ class ReduceServer:
         with self._cond:
             if self._closing:
                 raise Refused("server closing")
+            if nonce in self._hello_nonces:
+                raise Refused(f"replayed hello of rank {rank} (its nonce was already used)")
             if rank in self._book.gone:
                 raise Refused(f"rank {rank} left the run")
             if rank in self._by_rank:
                 raise Refused(f"rank {rank} already has a live data connection")
             self._by_rank[rank] = conn
+            self._hello_nonces.add(nonce)
             conn.rank = rank
         ack = encode_data_ack(self.secret, self.run_id, hello, self._nonce)
         conn.upload_key = data_keys(self.secret, self.run_id, hello, ack).upload

@@ -21,7 +21,9 @@ Keys (docs/design.md §7), all HMAC-SHA256:
   them all); a restarted server has a fresh nonce, so two servers of one run never share it;
 * upload key = HMAC(run key, ``"upload"`` + rank u32 + hello nonce + server nonce): the key of
   the rank's uploads on this connection only: a rank's next incarnation (a new process, a new
-  connection) has another, and frames recorded on one connection fail on any other.
+  connection) has another, and frames recorded on one connection fail on any other. The
+  server refuses a hello nonce it has already seen, so a recorded hello replayed on a new
+  connection (which would get the same ack and key) is refused before any frame.
 
 Each frame's one-time Poly1305 key is derived from these by
 :func:`~flodl.wire.tensors.frame_key`, so a one-time key never repeats across runs, servers or
@@ -163,15 +165,16 @@ def encode_data_hello(
 
 def parse_data_hello(
     secret: bytes, run_id: str, data: bytes | bytearray | memoryview
-) -> tuple[int, int]:
-    """Authenticate a hello of run ``run_id``; return its ``(rank, world_size)`` (not
-    range-checked).
+) -> tuple[int, int, bytes]:
+    """Authenticate a hello of run ``run_id``; return its ``(rank, world_size, nonce)`` (not
+    range-checked). The server must refuse a nonce it has seen (a replayed hello would
+    otherwise get the same ack, hence the same upload key, as the connection it was recorded
+    on: the server's nonce is one per server).
 
     Raises:
         FrameError: wrong size, bad magic, other protocol version, another run, or bad tag.
     """
-    rank, world_size, _ = _parse(data, HELLO_MAGIC, secret, run_id, b"", "hello")
-    return rank, world_size
+    return _parse(data, HELLO_MAGIC, secret, run_id, b"", "hello")
 
 
 def encode_data_ack(

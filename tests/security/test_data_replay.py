@@ -244,3 +244,28 @@ def test_a_previous_connections_upload_fails_on_the_ranks_next_connection() -> N
                 assert sock.recv(1 << 16) == b""
         wait_refused(srv, "bad tensor frame auth tag")
         assert srv.waiting_for(5) == (0,) and done == []
+
+
+def test_a_recorded_connection_replayed_whole_on_its_own_server_is_refused_at_its_hello() -> None:
+    """The server's nonce is one per server, so a recorded hello replayed on the same server
+    would get the same ack and the same upload key as the connection it was recorded on: the
+    server refuses a hello nonce it has seen (docs/design.md §2, "Rejoin": nothing of an
+    earlier incarnation is accepted), before any of the recorded frames is read."""
+    with server("run-a", 1) as (srv, done):
+        proxy = Recorder(srv.port)
+        client = ReduceClient("127.0.0.1", proxy.port, SECRET, 0, 1, run_id="run-a")
+        try:
+            client.connect(10.0)
+            srv.open_round(0, [0])
+            assert client.reduce(0, params(0), 1.0, [], True) == (1.0, 1.0)
+        finally:
+            client.close()
+            proxy.close()
+        recorded = bytes(proxy.sent)
+        srv.rank_dead(0)  # the incarnation that sent it is gone; the rank comes back
+        srv.rank_rejoined(0)
+        play(srv.port, recorded)  # its hello, then its round-0 upload
+        wait_refused(srv, "replayed hello of rank 0")
+        assert [d[0] for d in done] == [0]
+        reduce_once(srv, srv.port, "run-a", 1, params(1))  # the genuine next incarnation
+        assert [d[0] for d in done] == [0, 1]

@@ -747,7 +747,7 @@ def test_a_tag_differing_in_its_last_byte_is_refused_everywhere() -> None:
         decode_frame(_flip_last(frame), secret, seq=3)
 
     hello = encode_data_hello(secret, "run", 1, 2)
-    assert parse_data_hello(secret, "run", hello) == (1, 2)
+    assert parse_data_hello(secret, "run", hello)[:2] == (1, 2)
     with pytest.raises(FrameError, match="auth tag"):
         parse_data_hello(secret, "run", _flip_last(hello))
 

@@ -357,6 +357,46 @@ def test_dead_rank_cannot_reconnect() -> None:
             client.close()
 
 
+def test_a_rejoined_rank_is_served_again_and_nothing_of_its_old_incarnation_counts() -> None:
+    """docs/design.md §2, "Rejoin": the old incarnation's connection was shut at its death;
+    after rank_rejoined the new one connects, uploads at weight 0 and gets the consensus, and
+    the old incarnation's frames (replayed under its old keys) count for nothing."""
+    params = [model(r) for r in range(3)]
+    with serving(3) as (server, done), clients(server, [0, 1]) as cs:
+        old_sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        old_hello = encode_data_hello(SECRET, RUN, 2, 3)
+        old_sock.sendall(old_hello)
+        old_ack = recv_exactly(old_sock, HELLO_BYTES)
+        old_keys = data_keys(SECRET, RUN, old_hello, old_ack)
+        server.rank_dead(2)
+        assert_closed_by_peer(old_sock)  # shut at its death
+        old_sock.close()
+        server.rank_rejoined(2)
+        server.open_round(5, [0, 1, 2])
+        # The old incarnation's hello replayed (it would get the same ack, hence the same
+        # upload key): refused at the hello, before any of its recorded frames is read.
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as replay:
+            replay.sendall(old_hello)
+            send_buffers(replay, frames(old_keys, 5, model(2)))
+            assert recv_exactly(replay, HELLO_BYTES) == b""  # no ack: closed
+        wait_until(
+            lambda: any("replayed hello of rank 2" in r for r in server.refusals.counts),
+            "the replayed hello to be refused",
+        )
+        assert server.uploads(5) == ()
+        with clients(server, [2]) as new:
+            fresh = [p.clone() for p in params[2]]
+            workers = [
+                Worker(lambda r=r: cs[r].reduce(5, params[r], [1.0, 3.0][r], [], True))
+                for r in range(2)
+            ]
+            joiner = Worker(lambda: new[2].reduce(5, fresh, 0.0, [], False))
+            assert [w.result() for w in workers] == [(4.0, 2.0)] * 2
+            assert joiner.result() == (4.0, 2.0)
+            assert done.wait(1) == [(5, (0, 1, 2), 4.0)]
+    close_all(params[0], fresh)  # the rejoined rank holds the consensus
+
+
 # ---------------------------------------------------------------------- bf16 wire
 def test_bf16_wire_within_bf16_tolerance() -> None:
     params = [model(r, ((256,), (16, 16))) for r in range(2)]
