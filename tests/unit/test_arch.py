@@ -399,3 +399,15 @@ def test_the_citation_checker_catches_planted_references() -> None:
     found = outside_citations(planted)
     assert found[:2] == ["'STYLE'", "'DESIGN.md'"]  # by name
     assert len(found) == 4 and "STYLE §0.5" in found[2] and "(§3.1)" in found[3]  # bare §
+
+
+def test_test_modules_have_unique_basenames() -> None:
+    """pytest imports test modules by basename from the rootdir (tests/ has no packages), so
+    two ``test_x.py`` in different folders fail the collection of the whole suite."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(REPO)} and {path.relative_to(REPO)}")
+        seen.setdefault(path.name, path)
+    assert clashes == []
