@@ -105,8 +105,9 @@ class Callbacks:
         self.send_roles_if_dirty(out)
 
     def on_death(self, rank: int, smoothed_ms: Sequence[float], out: list[Effect]) -> None:
-        """Move every role and every pending callback of a dead rank to a survivor."""
-        alive = self.membership.alive()
+        """Move every role and every pending callback of a dead rank to a survivor (one that
+        holds the consensus: never a rank admitted mid-run that awaits it)."""
+        alive = self.membership.training()
         why = self.roles.on_death(rank, alive, smoothed_ms)
         if why:
             out.append(Record("root", "roles", {"roles": why}))
@@ -156,7 +157,7 @@ class Callbacks:
             return False
         self.intents.discard("eval_now")
         target = self.roles.eval_role
-        if not self.membership.is_alive(target):
+        if not self.membership.trains(target):
             return False
         out.append(
             Send(
@@ -188,10 +189,10 @@ class Callbacks:
 
     def _checkpoint_target(self) -> int | None:
         target = self.roles.checkpoint_role
-        if self.membership.is_alive(target):
+        if self.membership.trains(target):
             return target
-        alive = self.membership.alive()
-        return alive[0] if alive else None
+        holders = self.membership.training()  # the model written must be the consensus
+        return holders[0] if holders else None
 
     # ------------------------------------------------------------------ results
     def on_eval_result(self, res: EvalResult, out: list[Effect]) -> bool:
@@ -217,7 +218,7 @@ class Callbacks:
         self._retry_checkpoint(retry, f"rank {res.rank}: {res.error}", out)
 
     def _retry_checkpoint(self, retry: CheckpointRetry, why: str, out: list[Effect]) -> None:
-        nxt = retry.next_target(self.membership.alive())
+        nxt = retry.next_target(self.membership.training())
         if nxt is None:
             self.checkpoints.pop(retry.version, None)
             out.append(
@@ -314,7 +315,7 @@ class Callbacks:
     ) -> None:
         retry, _, detail = self.bundles[version]
         # once the ranks were told to stop, none is left to take the save over
-        nxt = None if ranks_stopped else retry.next_target(self.membership.alive())
+        nxt = None if ranks_stopped else retry.next_target(self.membership.training())
         if nxt is None:
             del self.bundles[version]
             out.append(

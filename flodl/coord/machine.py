@@ -678,7 +678,7 @@ class Coordinator:
         windows = averaging.closed_windows()
         steps = [w.steps for w in windows]
         if averaging.report_window(windows):
-            self.callbacks.elect(self.membership.alive(), self.elche.smoothed_ms, out)
+            self.callbacks.elect(self.membership.training(), self.elche.smoothed_ms, out)
         # 3. Guard + meta-controller through the verdict seam; then the role ranks' callback
         # slack shrinks the coming window's counts.
         old_anchor = self.elche.anchor

@@ -431,6 +431,19 @@ def test_a_dead_rank_rejoins_a_cpu_run_and_trains_once_it_has_the_consensus(mode
         assert cov is not None and cov.ok, (epoch, cov)
 
 
+def test_roles_never_move_to_a_rank_that_awaits_the_consensus() -> None:
+    c = joined("cpu_cadence", 3, dataset_len=9600, epoch_callback_policy=0)
+    c.run(until=lambda: c.coord.sync_rounds >= 2)
+    c.kill(1)
+    c.run(until=lambda: c.coord.sync_rounds >= 4 and not c.coord.cycle.pending)
+    revive(c, 1)
+    assert c.coord.membership.awaiting == {1}
+    out = c.kill(0)  # the pinned role rank dies while rank 1 still awaits the consensus
+    roles = c.coord.callbacks.roles
+    assert (roles.epoch_callback_role, roles.eval_role, roles.checkpoint_role) == (2, 2, 2)
+    assert {f.rank for _, f in sends(out, SetEpochCallbackRole)} == {2}
+
+
 def test_a_rejoin_is_refused_once_the_run_stops_and_nothing_changes() -> None:
     c = joined("cpu_cadence", 3, dataset_len=9600, max_failure=MaxFailure(absolute=1))
     c.run(until=lambda: c.coord.sync_rounds >= 2)

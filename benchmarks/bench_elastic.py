@@ -1,0 +1,859 @@
+"""bench_elastic: a killed rank comes back (respawn + rejoin); time until its work counts again.
+
+flodl, per mode (``cpu_sync``, ``cpu_cadence``, ``cpu_async``, ``nccl_sync``, ``nccl_cadence``;
+the ``nccl_*`` modes run on Gloo here): a 3-rank Trainer job on the demo task (as
+``bench_recovery``) runs in a subprocess of this script with ``.respawn(1)``,
+``record_log(dir)`` and ``reports_per_epoch(1000)``, so every completed reduce leaves a root
+``node`` record (``syncs``, ``throughput``, wall-clock ``ts`` in ms) and one ``node`` record per
+rank of the same report (``steps``). Once training is warm (``--warm-syncs`` reduces and
+``--before-s`` seconds of reports), rank 1's process (found with ``ps`` by a tag argument and
+its ``FLODL_RANK``) gets ``SIGKILL``; the launcher respawns it (its stderr line "respawning it"
+is time-stamped here: the new process's start), the new process says hello, enters the next
+averaging cycle at weight 0 and then gets work. Measured from the record log:
+
+* ``t_fold``: the rejoined rank's hello (the ``rank_rejoined`` record's ``ts`` −
+  ``consensus_s``) → the first root report after that record whose ``root/rank1`` report has
+  ``steps > 0`` (the first averaging cycle that folds its work). Target: < 2 s + one averaging
+  window, the window being the median interval between root reports in the ``--before-s``
+  seconds before the kill;
+* throughput (the root report's ``throughput``, samples/s of the whole run) averaged over the
+  reports of the ``--before-s`` seconds before the kill and of the ``--after-s`` seconds after
+  the first folded cycle, and their ratio (≈ 1 for a healthy rejoin);
+* ``down_s`` (death → hello) and ``consensus_s`` (hello → the cycle that gave it the consensus)
+  from the record; and from the new process's start: → hello, → consensus, → first fold.
+
+torchft 0.2.0 (same run, same task, data, batch size, 1 thread per process, no slowdown): 3
+replica groups of one process each run ``LocalSGD(sync_every=10)`` with one lighthouse
+(``min_replicas=2``) and ``min_replica_size=2``, as in ``bench_recovery`` (both lighthouses:
+the ``torchft_lighthouse`` binary's defaults and the Python ``LighthouseServer()``'s). Once
+each has committed 3 syncs, replica 1 is SIGKILLed and, as soon as it is reaped, a new process
+for replica 1 (same replica id, same config) is started; measured from that start: its
+Manager is up (``start``), its first committed sync (the quorum in which it heals: it fetches
+the state from a live peer; torchft's counterpart of flodl's consensus), and its next committed
+sync (the first that averages its own local steps: flodl's fold).
+
+    python benchmarks/bench_elastic.py [--quick] [--modes M,...] [--systems flodl,torchft]
+        [--trials N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from _common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    ensure_repo_on_path,
+    machine_info,
+    print_table,
+    write_json,
+)
+
+ensure_repo_on_path()
+
+MODES = ("cpu_sync", "cpu_cadence", "cpu_async", "nccl_sync", "nccl_cadence")
+WORLD = 3
+VICTIM = 1
+TARGET_FOLD_S = 2.0  # plus one averaging window
+TORCHFT_SYNC_EVERY = 10  # flodl's initial ElChe anchor
+TORCHFT_VARIANTS = {
+    "cli": "torchft (torchft_lighthouse, join 60 s)",
+    "py": "torchft (LighthouseServer(), join 0.1 s)",
+}
+RESPAWN_LINE = "respawning it"
+"""What flodl's launcher prints to stderr as it starts the new process of a failed rank."""
+PAIR_TOLERANCE_MS = 100.0
+"""A root report and a rank's report of the same reduce are written within this of each other."""
+
+
+# ---------------------------------------------------------------------------------------------
+# flodl job (its launcher re-executes this script once per rank, and once more per respawn)
+# ---------------------------------------------------------------------------------------------
+
+
+def flodl_job(spec_path: str) -> None:
+    from flodl import ElCheConfig, Trainer
+    from flodl.demo import demo_task
+
+    spec = json.loads(Path(spec_path).read_text())
+    task = demo_task(samples=spec["samples"], seed=0)
+    handle = (
+        Trainer.builder(task.model_factory, task.optim_factory, task.train_step)
+        .dataset(task.train)
+        .batch_size(spec["batch_size"])
+        .num_epochs(spec["epochs"])
+        .elche(ElCheConfig.preset(spec["mode"]))
+        .local_ranks(WORLD)
+        .respawn(1)
+        .record_log(spec["records"])
+        .reports_per_epoch(1000)
+        .progress(False)
+        .run()
+    )
+    handle.join()
+
+
+# ---------------------------------------------------------------------------------------------
+# pure helpers over a record tree ({path: [records]}, as flodl.monitor.records.read_tree gives)
+# ---------------------------------------------------------------------------------------------
+
+
+def _nodes(tree: dict[str, list[dict[str, Any]]], path: str) -> list[dict[str, Any]]:
+    return [
+        r
+        for r in tree.get(path, [])
+        if r.get("kind") == "node" and isinstance(r.get("data"), dict) and "ts" in r
+    ]
+
+
+def root_reports(tree: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The root ``node`` records of completed reduces (those that carry ``syncs``)."""
+    return [r for r in _nodes(tree, "root") if "syncs" in r["data"]]
+
+
+def paired_reports(
+    tree: dict[str, list[dict[str, Any]]], rank: int
+) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    """Each root report with ``root/rank<rank>``'s report of the same reduce (None if absent).
+
+    A report writes the root record and one record per rank, in that order and in the same
+    millisecond or so: pair them by order when the two lists have the same length and agree in
+    time, else each root record with the rank record nearest in time (within
+    :data:`PAIR_TOLERANCE_MS`)."""
+    roots = root_reports(tree)
+    ranks = _nodes(tree, f"root/rank{rank}")
+    if len(ranks) == len(roots) and all(
+        abs(float(a["ts"]) - float(b["ts"])) <= PAIR_TOLERANCE_MS
+        for a, b in zip(roots, ranks, strict=True)
+    ):
+        return list(zip(roots, ranks, strict=True))
+    out: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+    for root in roots:
+        ts = float(root["ts"])
+        near = min(ranks, key=lambda r: abs(float(r["ts"]) - ts), default=None)
+        if near is not None and abs(float(near["ts"]) - ts) > PAIR_TOLERANCE_MS:
+            near = None
+        out.append((root, near))
+    return out
+
+
+def rejoined_record(
+    tree: dict[str, list[dict[str, Any]]], rank: int, after_ms: float = 0.0
+) -> dict[str, Any] | None:
+    """The first ``rank_rejoined`` record of ``root/rank<rank>`` at or after ``after_ms``."""
+    for r in tree.get(f"root/rank{rank}", []):
+        if (
+            r.get("kind") == "rank_rejoined"
+            and isinstance(r.get("data"), dict)
+            and float(r["ts"]) >= after_ms
+        ):
+            return r
+    return None
+
+
+def first_fold(
+    tree: dict[str, list[dict[str, Any]]], rank: int, after_ms: float
+) -> dict[str, Any] | None:
+    """The first root report at or after ``after_ms`` whose ``rank``'s report has steps > 0:
+    the first averaging cycle that folds that rank's work."""
+    for root, mine in paired_reports(tree, rank):
+        if float(root["ts"]) < after_ms or mine is None:
+            continue
+        if float(mine["data"].get("steps") or 0) > 0:
+            return root
+    return None
+
+
+def averaging_window_s(reports: Sequence[dict[str, Any]], lo_ms: float, hi_ms: float) -> float:
+    """Median interval (s) between consecutive root reports with ``lo_ms <= ts < hi_ms``
+    (NaN with fewer than two)."""
+    ts = [float(r["ts"]) for r in reports if lo_ms <= float(r["ts"]) < hi_ms]
+    gaps = [(b - a) / 1000.0 for a, b in zip(ts, ts[1:], strict=False)]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+def mean_throughput(
+    reports: Sequence[dict[str, Any]], lo_ms: float, hi_ms: float
+) -> tuple[float | None, int]:
+    """Mean ``throughput`` (samples/s of the run) of the root reports with ``lo_ms < ts <=
+    hi_ms``, and how many there were."""
+    got = [
+        float(r["data"]["throughput"])
+        for r in reports
+        if lo_ms < float(r["ts"]) <= hi_ms and r["data"].get("throughput") is not None
+    ]
+    return (statistics.fmean(got) if got else None), len(got)
+
+
+def analyse_flodl(
+    tree: dict[str, list[dict[str, Any]]],
+    *,
+    victim: int,
+    t_kill_ms: float,
+    t_respawn_ms: float | None,
+    before_s: float,
+    after_s: float,
+) -> dict[str, Any]:
+    """Every figure of one flodl trial from its record tree (ms wall-clock times in, s out).
+
+    Raises:
+        ValueError: no ``rank_rejoined`` record after the kill, or no folded cycle after it.
+    """
+    reports = root_reports(tree)
+    rec = rejoined_record(tree, victim, after_ms=t_kill_ms)
+    if rec is None:
+        raise ValueError(f"no rank_rejoined record for rank {victim} after the kill")
+    data = rec["data"]
+    consensus_ms = float(rec["ts"])
+    hello_ms = consensus_ms - 1000.0 * float(data["consensus_s"])
+    fold = first_fold(tree, victim, after_ms=consensus_ms)
+    if fold is None:
+        raise ValueError(f"no averaging cycle folded rank {victim}'s work after its rejoin")
+    fold_ms = float(fold["ts"])
+    window = averaging_window_s(reports, t_kill_ms - 1000.0 * before_s, t_kill_ms)
+    before, n_before = mean_throughput(reports, t_kill_ms - 1000.0 * before_s, t_kill_ms)
+    after, n_after = mean_throughput(reports, fold_ms, fold_ms + 1000.0 * after_s)
+    t_fold = (fold_ms - hello_ms) / 1000.0
+    out: dict[str, Any] = {
+        "incarnation": data.get("incarnation"),
+        "down_s": data.get("down_s"),
+        "consensus_s": data.get("consensus_s"),
+        "world_size_after": data.get("world_size"),
+        "t_fold_s": t_fold,
+        "window_s": window,
+        "target_s": TARGET_FOLD_S + window,
+        "met": t_fold < TARGET_FOLD_S + window,
+        "window_down_s": averaging_window_s(reports, t_kill_ms, hello_ms),
+        "kill_to_hello_s": (hello_ms - t_kill_ms) / 1000.0,
+        "kill_to_fold_s": (fold_ms - t_kill_ms) / 1000.0,
+        "throughput_before": before,
+        "throughput_after": after,
+        "reports_before": n_before,
+        "reports_after": n_after,
+        "throughput_ratio": None if not before or after is None else after / before,
+        "syncs_at_fold": fold["data"].get("syncs"),
+    }
+    if t_respawn_ms is not None:
+        out |= {
+            "start_to_hello_s": (hello_ms - t_respawn_ms) / 1000.0,
+            "start_to_consensus_s": (consensus_ms - t_respawn_ms) / 1000.0,
+            "start_to_fold_s": (fold_ms - t_respawn_ms) / 1000.0,
+        }
+    return out
+
+
+def analyse_torchft(events: Sequence[dict[str, Any]], t_start_ms: float) -> dict[str, Any]:
+    """A restarted torchft replica's milestones from its event log (the lines it wrote after
+    ``t_start_ms``, the new process's start), in s from that start (None: not reached).
+
+    ``heal``: the first quorum in which it recovers a peer's state; ``healed_commit``: the first
+    committed sync at or after it; ``own_commit``: the next committed sync (the first that
+    averages its own local steps)."""
+    mine = sorted((e for e in events if float(e.get("ts", 0)) > t_start_ms), key=lambda e: e["ts"])
+
+    def since(e: dict[str, Any] | None) -> float | None:
+        return None if e is None else (float(e["ts"]) - t_start_ms) / 1000.0
+
+    ready = next((e for e in mine if e.get("event") == "start"), None)
+    heal = next((e for e in mine if e.get("event") == "quorum" and e.get("healing")), None)
+    commits = [e for e in mine if e.get("event") == "commit" and e.get("committed")]
+    healed = None
+    own = None
+    if heal is not None:
+        later = [e for e in commits if e["ts"] >= heal["ts"]]
+        healed = later[0] if later else None
+        own = later[1] if len(later) > 1 else None
+    first_quorum = next((e for e in mine if e.get("event") == "quorum"), None)
+    return {
+        "start_to_ready_s": since(ready),
+        "start_to_first_quorum_s": since(first_quorum),
+        "start_to_heal_s": since(heal),
+        "start_to_consensus_s": since(healed),
+        "start_to_fold_s": since(own),
+        "failed_commits": sum(
+            1 for e in mine if e.get("event") == "commit" and not e.get("committed")
+        ),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# flodl trial
+# ---------------------------------------------------------------------------------------------
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    """Every whole JSON record of one JSONL file (a torn last line is skipped)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "ts" in rec:
+            out.append(rec)
+    return out
+
+
+def _tree(records: Path) -> dict[str, list[dict[str, Any]]]:
+    from flodl.monitor.records import read_tree
+
+    try:
+        return read_tree(records)
+    except Exception:  # noqa: BLE001 - no root.log yet
+        return {}
+
+
+def _processes_with(tag: str) -> list[int]:
+    out = subprocess.run(
+        ["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True, check=True
+    )
+    pids = []
+    for line in out.stdout.splitlines():
+        if tag in line and "ps -ww" not in line:
+            pids.append(int(line.split()[0]))
+    return pids
+
+
+def _rank_pid(tag: str, rank: int) -> int | None:
+    for pid in _processes_with(tag):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"FLODL_RANK={rank}".encode() in env:
+            return pid
+    return None
+
+
+def _wait(pred: Any, timeout_s: float, poll_s: float = 0.05) -> Any:
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(poll_s)
+    return None
+
+
+class _Output:
+    """Copies the job's merged stdout/stderr to a file, time-stamping the launcher's respawn
+    line (the new process's start) as it passes."""
+
+    def __init__(self, stream: IO[bytes], log: Path) -> None:
+        self.stream = stream
+        self.log = log
+        self.respawned_ms: float | None = None
+        self.thread = threading.Thread(target=self._pump, daemon=True)
+        self.thread.start()
+
+    def _pump(self) -> None:
+        with self.log.open("wb") as sink:
+            for line in iter(self.stream.readline, b""):
+                if self.respawned_ms is None and RESPAWN_LINE.encode() in line:
+                    self.respawned_ms = time.time() * 1000.0
+                sink.write(line)
+                sink.flush()
+
+    def tail(self, n: int = 800) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+
+def flodl_trial(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    trial = work / f"flodl-{mode}-{uuid.uuid4().hex[:6]}"
+    records = trial / "records"
+    records.mkdir(parents=True)
+    tag = f"bench-elastic-{uuid.uuid4().hex}"
+    spec = trial / "spec.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "mode": mode,
+                "samples": args.samples,
+                "batch_size": args.batch_size,
+                "epochs": 1000,  # ended by this script once measured
+                "records": str(records),
+            }
+        )
+    )
+    env = dict(os.environ)
+    env.pop("FLODL_NET_TIMEOUT_SCALE", None)
+    env.pop("FLODL_RESPAWN", None)  # the job's .respawn(1) decides
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--flodl-job", str(spec), "--tag", tag],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: cleaned up as one below
+    )
+    assert proc.stdout is not None
+    output = _Output(proc.stdout, trial / "job.log")
+    result: dict[str, Any] = {"system": "flodl", "mode": mode}
+    victim: int | None = None
+    try:
+
+        def warm() -> float | None:
+            reports = root_reports(_tree(records))
+            if not reports or int(reports[-1]["data"]["syncs"]) < args.warm_syncs:
+                return None
+            # the first second of reports is start-up; the before-window follows it
+            span = (float(reports[-1]["ts"]) - float(reports[0]["ts"])) / 1000.0
+            return span if span >= args.before_s + 1.0 else None
+
+        if not _wait(warm, args.start_timeout):
+            raise RuntimeError(
+                f"no {args.warm_syncs} reduces and {args.before_s + 1:.0f} s of reports within "
+                f"{args.start_timeout:.0f} s"
+            )
+        victim = _rank_pid(tag, VICTIM)
+        if victim is None:
+            raise RuntimeError(f"rank {VICTIM}'s process not found")
+        t_kill = time.time() * 1000.0
+        os.kill(victim, signal.SIGKILL)
+        if not _wait(
+            lambda: rejoined_record(_tree(records), VICTIM, after_ms=t_kill), args.rejoin_timeout
+        ):
+            raise RuntimeError(
+                f"rank {VICTIM} did not rejoin (no rank_rejoined record) within "
+                f"{args.rejoin_timeout:.0f} s of the kill"
+            )
+
+        def folded() -> dict[str, Any] | None:
+            tree = _tree(records)
+            rec = rejoined_record(tree, VICTIM, after_ms=t_kill)
+            return None if rec is None else first_fold(tree, VICTIM, float(rec["ts"]))
+
+        fold = _wait(folded, 30.0)
+        if fold is None:
+            raise RuntimeError("no averaging cycle folded the rejoined rank's work within 30 s")
+        fold_ms = float(fold["ts"])
+        # the after-window: --after-s seconds of reports past the fold (or what came by then)
+        _wait(
+            lambda: any(
+                float(r["ts"]) >= fold_ms + 1000.0 * args.after_s
+                for r in root_reports(_tree(records))
+            ),
+            args.after_s + 15.0,
+        )
+        result |= {
+            "ok": True,
+            **analyse_flodl(
+                _tree(records),
+                victim=VICTIM,
+                t_kill_ms=t_kill,
+                t_respawn_ms=output.respawned_ms,
+                before_s=args.before_s,
+                after_s=args.after_s,
+            ),
+        }
+        if output.respawned_ms is None:
+            result["note"] = "the launcher's respawn line was not seen"
+    except Exception as exc:  # noqa: BLE001 - a failed trial is reported, not raised
+        result |= {"ok": False, "error": f"{type(exc).__name__}: {exc} | {output.tail()}"[:1500]}
+    finally:
+        if victim is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+        result["orphans"] = _stop_job(proc, tag)
+        output.thread.join(timeout=10)
+    return result
+
+
+def _stop_job(proc: subprocess.Popen[bytes], tag: str) -> int:
+    """Stop the launcher (it stops its ranks on SIGTERM), then kill its process group and any
+    process left with the tag; returns how many were still there to kill at the end."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    left = _wait(lambda: not _processes_with(tag), 5.0)
+    stragglers = [] if left else _processes_with(tag)
+    for pid in stragglers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return len(stragglers)
+
+
+# ---------------------------------------------------------------------------------------------
+# torchft trial
+# ---------------------------------------------------------------------------------------------
+
+
+def torchft_trial(args: argparse.Namespace, work: Path, cli: bool) -> dict[str, Any]:
+    from _torchft import Lighthouse, spawn_replica, spawn_replicas
+
+    out = work / f"torchft-{uuid.uuid4().hex[:6]}"
+    cfg = {
+        "world": WORLD,
+        "samples": args.samples,
+        "seed": 0,
+        "epochs": 0,
+        "forever": True,
+        "batch_size": args.batch_size,
+        "factor": 1.0,  # no slowdown, as flodl's ranks
+        "step_per_forward": 3.0,
+        "sync_every": TORCHFT_SYNC_EVERY,
+        "min_replica_size": WORLD - 1,
+    }
+    result: dict[str, Any] = {"system": "torchft", "variant": "cli" if cli else "py"}
+    restarted: Any = None
+    with Lighthouse(min_replicas=WORLD - 1, cli=cli) as lh:
+        ctx = spawn_replicas(cfg, lh.address, out)
+        try:
+
+            def warm() -> bool:
+                return all(
+                    sum(1 for e in _records(out / f"replica{r}.log") if e.get("committed")) >= 3
+                    for r in range(WORLD)
+                )
+
+            if not _wait(warm, args.start_timeout):
+                raise RuntimeError(f"torchft: no 3 commits within {args.start_timeout:.0f} s")
+            t_kill = time.time() * 1000.0
+            old = ctx.processes[VICTIM]
+            os.kill(old.pid, signal.SIGKILL)
+            old.join(timeout=10)
+            t_start = time.time() * 1000.0
+            restarted = spawn_replica(VICTIM, cfg, lh.address, out)
+            log = out / f"replica{VICTIM}.log"
+
+            def done() -> bool:
+                got = analyse_torchft(_records(log), t_start)
+                return got["start_to_fold_s"] is not None
+
+            _wait(done, args.torchft_cap, poll_s=0.1)
+            got = analyse_torchft(_records(log), t_start)
+            result |= {"ok": got["start_to_consensus_s"] is not None, **got}
+            result["kill_to_start_s"] = (t_start - t_kill) / 1000.0
+            if not result["ok"]:
+                result["error"] = (
+                    f"the restarted replica did not heal and commit within "
+                    f"{args.torchft_cap:.0f} s of its start"
+                )
+        except Exception as exc:  # noqa: BLE001 - a failed trial is reported, not raised
+            result |= {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:1500]}
+        finally:
+            procs = [*ctx.processes, *([restarted] if restarted is not None else [])]
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=10)
+            result["orphans"] = sum(1 for p in procs if p.is_alive())
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="one trial per mode, shorter windows")
+    p.add_argument("--trials", type=int, default=None, help="per mode (default 2; quick 1)")
+    p.add_argument("--modes", default=",".join(MODES), help="flodl modes: %(default)s")
+    p.add_argument("--systems", default="flodl,torchft", help="subset of: %(default)s")
+    p.add_argument("--samples", type=int, default=48_000)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--warm-syncs", type=int, default=5, help="reduces done before the kill")
+    p.add_argument(
+        "--before-s", type=float, default=None, help="throughput window before the kill (3; 2)"
+    )
+    p.add_argument(
+        "--after-s", type=float, default=None, help="throughput window after the fold (4; 2.5)"
+    )
+    p.add_argument("--start-timeout", type=float, default=90.0)
+    p.add_argument("--rejoin-timeout", type=float, default=60.0)
+    p.add_argument(
+        "--torchft-cap", type=float, default=90.0, help="give up on torchft's rejoin after"
+    )
+    p.add_argument("--json", type=Path, default=RESULTS_DIR / "bench_elastic.json")
+    p.add_argument("--flodl-job", help=argparse.SUPPRESS)
+    p.add_argument("--tag", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.trials is None:
+        args.trials = 1 if args.quick else 2
+    if args.trials < 1:
+        p.error("--trials must be >= 1")
+    if args.before_s is None:
+        args.before_s = 2.0 if args.quick else 3.0
+    if args.after_s is None:
+        args.after_s = 2.5 if args.quick else 4.0
+    args.system_list = [s.strip() for s in args.systems.split(",") if s.strip()]
+    args.mode_list = [s.strip() for s in args.modes.split(",") if s.strip()]
+    if set(args.system_list) - {"flodl", "torchft"}:
+        p.error("--systems: a subset of flodl,torchft")
+    if set(args.mode_list) - set(MODES):
+        p.error(f"--modes: a subset of {','.join(MODES)}")
+    return args
+
+
+def _stats(values: Sequence[float | None]) -> dict[str, Any]:
+    got = [v for v in values if v is not None]
+    if not got:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(got), "min": min(got), "max": max(got), "n": len(got)}
+
+
+def _cell(s: dict[str, Any], fmt: str = ".2f") -> str:
+    if s["median"] is None:
+        return "-"
+    if s["n"] == 1:
+        return format(s["median"], fmt)
+    return f"{s['median']:{fmt}} ({s['min']:{fmt}}–{s['max']:{fmt}})"
+
+
+FLODL_FIELDS = (
+    "down_s",
+    "consensus_s",
+    "t_fold_s",
+    "window_s",
+    "target_s",
+    "throughput_before",
+    "throughput_after",
+    "throughput_ratio",
+    "start_to_hello_s",
+    "start_to_consensus_s",
+    "start_to_fold_s",
+    "kill_to_fold_s",
+)
+TORCHFT_FIELDS = (
+    "start_to_ready_s",
+    "start_to_first_quorum_s",
+    "start_to_heal_s",
+    "start_to_consensus_s",
+    "start_to_fold_s",
+)
+
+
+def summarize(trials: Sequence[dict[str, Any]], mode_list: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per flodl mode and per torchft lighthouse that ran: stats over its good trials;
+    a flodl row's ``met`` holds when every good trial met its own target."""
+    rows: list[dict[str, Any]] = []
+    groups: list[tuple[str, str]] = [("flodl", m) for m in mode_list]
+    groups += [("torchft", v) for v in TORCHFT_VARIANTS]
+    for system, which in groups:
+        key = "mode" if system == "flodl" else "variant"
+        ts = [t for t in trials if t["system"] == system and t.get(key) == which]
+        if not ts:
+            continue
+        good = [t for t in ts if t.get("ok")]
+        fields = FLODL_FIELDS if system == "flodl" else TORCHFT_FIELDS
+        row: dict[str, Any] = {
+            "system": system,
+            key: which,
+            "trials": len(ts),
+            "ok": len(good),
+            **{f: _stats([t.get(f) for t in good]) for f in fields},
+            "orphans": sum(int(t.get("orphans") or 0) for t in ts),
+            "errors": [t["error"] for t in ts if not t.get("ok") and "error" in t],
+        }
+        if system == "flodl":
+            row["target"] = f"t_fold < {TARGET_FOLD_S:g} s + one averaging window"
+            row["met"] = bool(good) and all(t["met"] for t in good)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.flodl_job is not None:
+        flodl_job(args.flodl_job)
+        return 0
+
+    from _torchft import torchft_version, unavailable
+
+    reason = unavailable() if "torchft" in args.system_list else "not selected"
+    print(
+        f"bench_elastic: {WORLD} ranks, rank {VICTIM} SIGKILLed after {args.warm_syncs} reduces "
+        f"and respawned; {args.trials} trial(s) per mode; windows {args.before_s:g} s before "
+        f"the kill, {args.after_s:g} s after the fold"
+    )
+    work = Path(tempfile.mkdtemp(prefix="bench_elastic-"))
+    trials: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    try:
+        if "flodl" in args.system_list:
+            for mode in args.mode_list:
+                for _ in range(args.trials):
+                    r = flodl_trial(mode, args, work)
+                    trials.append(r)
+                    print(f"  flodl {mode}: {_brief(r)}", flush=True)
+        if "torchft" in args.system_list:
+            for variant in TORCHFT_VARIANTS:
+                if reason is not None:
+                    trials.append(
+                        {"system": "torchft", "variant": variant, "ok": False, "error": reason}
+                    )
+                    print(f"  torchft ({variant}): cannot run here: {reason}")
+                    continue
+                for _ in range(max(1, min(args.trials, 2))):
+                    r = torchft_trial(args, work, cli=variant == "cli")
+                    trials.append(r)
+                    print(f"  torchft ({variant}): {_brief(r)}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    rows = summarize(trials, args.mode_list if "flodl" in args.system_list else [])
+    print_tables(rows)
+    print(f"bench_elastic took {time.perf_counter() - t_start:.0f} s")
+    path = write_json(
+        args.json,
+        {
+            "benchmark": "bench_elastic",
+            "quick": args.quick,
+            "machine": machine_info(),
+            "versions": {"torch": _torch_version(), "torchft": torchft_version()},
+            "config": {
+                "world": WORLD,
+                "victim": VICTIM,
+                "modes": args.mode_list,
+                "trials": args.trials,
+                "warm_syncs": args.warm_syncs,
+                "before_s": args.before_s,
+                "after_s": args.after_s,
+                "samples": args.samples,
+                "batch_size": args.batch_size,
+                "threads_per_process": 1,
+                "slowdown": 1.0,
+                "torchft_sync_every": TORCHFT_SYNC_EVERY,
+                "target_fold_s": TARGET_FOLD_S,
+            },
+            "torchft": {"available": reason is None, "reason": reason},
+            "rows": rows,
+            "trials": trials,
+        },
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+def print_tables(rows: Sequence[dict[str, Any]]) -> None:
+    table = []
+    for r in rows:
+        if r["system"] != "flodl":
+            continue
+        verdict = "met" if r["met"] else "NOT met"
+        note = f"failed: {r['errors'][0][:90]}" if r["errors"] else ""
+        if r["orphans"]:
+            note = (note + "; " if note else "") + f"{r['orphans']} orphan(s) killed"
+        table.append(
+            [
+                r["mode"],
+                f"{r['ok']}/{r['trials']}",
+                _cell(r["down_s"]),
+                _cell(r["consensus_s"]),
+                _cell(r["t_fold_s"]),
+                _cell(r["window_s"]),
+                _cell(r["target_s"]),
+                verdict if r["ok"] else "-",
+                _cell(r["throughput_before"], ".0f"),
+                _cell(r["throughput_after"], ".0f"),
+                _cell(r["throughput_ratio"]),
+                note,
+            ]
+        )
+    if table:
+        print_table(
+            "flodl rejoin (s; samples/s): median (min–max) over trials",
+            [
+                "mode",
+                "ok",
+                "down s",
+                "consensus s",
+                "t_fold s",
+                "window s",
+                "target s",
+                "",
+                "thr before",
+                "thr after",
+                "after/before",
+                "note",
+            ],
+            table,
+        )
+    table = []
+    for r in rows:
+        if r["system"] == "flodl":
+            label = f"flodl {r['mode']}"
+            ready, first = r["start_to_hello_s"], r["start_to_hello_s"]
+        else:
+            label = TORCHFT_VARIANTS[r["variant"]]
+            ready, first = r["start_to_ready_s"], r["start_to_first_quorum_s"]
+        note = f"failed: {r['errors'][0][:90]}" if r["errors"] else ""
+        table.append(
+            [
+                label,
+                f"{r['ok']}/{r['trials']}",
+                _cell(ready),
+                _cell(first),
+                _cell(r["start_to_consensus_s"]),
+                _cell(r["start_to_fold_s"]),
+                note,
+            ]
+        )
+    print_table(
+        "restart → rejoin, s from the new process's start: median (min–max) over trials\n"
+        "  flodl: ready = hello; state = the cycle that gave it the consensus; own work = first "
+        "cycle that folds its steps\n"
+        "  torchft: ready = Manager up; 1st quorum; state = its first committed sync (healed "
+        "from a peer); own work = the next committed sync",
+        ["system", "ok", "ready", "connected", "has the state", "own work folded", "note"],
+        table,
+    )
+
+
+def _torch_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("torch")
+    except Exception:  # noqa: BLE001 - reported as unknown
+        return None
+
+
+def _brief(r: dict[str, Any]) -> str:
+    if not r.get("ok"):
+        return f"FAILED: {r.get('error', '')[:300]}"
+    if r["system"] == "torchft":
+        return (
+            f"start → ready {_s(r['start_to_ready_s'])}, → healed commit "
+            f"{_s(r['start_to_consensus_s'])}, → own-work commit {_s(r['start_to_fold_s'])}"
+        )
+    return (
+        f"down {_s(r['down_s'])}, consensus {_s(r['consensus_s'])}, t_fold {_s(r['t_fold_s'])} "
+        f"(target {_s(r['target_s'])}: {'met' if r['met'] else 'NOT met'}), throughput "
+        f"after/before {_s(r['throughput_ratio'], '')}, start → fold {_s(r.get('start_to_fold_s'))}"
+    )
+
+
+def _s(v: float | None, unit: str = " s") -> str:
+    return "-" if v is None else f"{v:.2f}{unit}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
