@@ -220,14 +220,23 @@ class Membership:
         self, *, max_failure: MaxFailure | None, needs_two: bool
     ) -> tuple[SaveReason, str] | None:
         """Whether the survivors must stop, with the reason (see
-        :func:`~flodl.coord.liveness.unrecoverable_reason`)."""
-        return unrecoverable_reason(
+        :func:`~flodl.coord.liveness.unrecoverable_reason`). Ranks admitted mid-run that await
+        the consensus cannot carry the run on their own: with no rank holding the consensus
+        left, every rank is lost."""
+        verdict = unrecoverable_reason(
             world_size=self.world_size,
             dead=len(self.liveness.dead()),
             alive=self.alive_count(),
             needs_two=needs_two,
             max_failure=max_failure,
         )
+        if verdict is None and self.alive_count() > 0 and not self.training():
+            why = (
+                f"every rank that held the consensus is lost (ranks {sorted(self.awaiting)} "
+                "joined the running run and await it)"
+            )
+            return ("all_ranks_lost", why)
+        return verdict
 
     def reform_session(self, dead: int | None, reason: str = "") -> list[Effect]:
         """Collective modes: a new session among the live ranks — the survivors of ``dead``'s

@@ -444,6 +444,17 @@ def test_roles_never_move_to_a_rank_that_awaits_the_consensus() -> None:
     assert {f.rank for _, f in sends(out, SetEpochCallbackRole)} == {2}
 
 
+def test_losing_every_consensus_holder_while_a_rank_awaits_it_stops_the_run_at_once() -> None:
+    c = joined("cpu_cadence", 2, dataset_len=9600, save_bundles=True)
+    c.run(until=lambda: c.coord.sync_rounds >= 2)
+    c.kill(1)
+    c.run(until=lambda: c.coord.sync_rounds >= 4 and not c.coord.cycle.pending)
+    revive(c, 1)
+    c.kill(0)  # the only rank with the consensus: rank 1 has nothing to take it from
+    assert c.coord.save_reason == "all_ranks_lost"
+    assert "every rank that held the consensus is lost" in c.coord.save_detail
+
+
 def test_a_rejoin_is_refused_once_the_run_stops_and_nothing_changes() -> None:
     c = joined("cpu_cadence", 3, dataset_len=9600, max_failure=MaxFailure(absolute=1))
     c.run(until=lambda: c.coord.sync_rounds >= 2)
