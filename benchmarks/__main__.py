@@ -228,6 +228,45 @@ def _recovery(d: dict[str, Any]) -> list[Headline]:
     return out
 
 
+def _elastic(d: dict[str, Any]) -> list[Headline]:
+    out = []
+    flodl = [r for r in d["rows"] if r["system"] == "flodl"]
+    for r in flodl:
+        fold, target = r["t_fold_s"], r["target_s"]
+        ratio = r["throughput_ratio"]
+        value = (
+            "n/a"
+            if fold["max"] is None
+            else f"t_fold {fold['max']:.2f} s (worst), throughput after/before "
+            + ("-" if ratio["median"] is None else f"{ratio['median']:.2f}× (median)")
+        )
+        goal = "< 2 s + window" + ("" if target["min"] is None else f" ({target['min']:.2f} s)")
+        row = _row(f"flodl {r['mode']} rejoin after a respawn", value, goal, r.get("met"))
+        if r.get("errors"):
+            row["note"] = r["errors"][0][:120]
+        out.append(row)
+    for r in d["rows"]:
+        if r["system"] != "torchft":
+            continue
+        healed = r["start_to_consensus_s"]["median"]
+        ours = [f["start_to_consensus_s"]["median"] for f in flodl]
+        ours = [v for v in ours if v is not None]
+        value = "n/a" if healed is None else f"torchft {healed:.2f} s"
+        if ours:
+            value += f", flodl {min(ours):.2f}–{max(ours):.2f} s"
+        row = _row(
+            f"restart → has the state, torchft ({r['variant']} lighthouse) vs flodl",
+            value,
+            "reference",
+        )
+        if r.get("errors"):
+            row["note"] = r["errors"][0][:120]
+        out.append(row)
+    if not out:
+        raise KeyError("no rows")
+    return out
+
+
 @dataclass
 class Spec:
     """How the suite runs one script."""
@@ -243,20 +282,20 @@ class Spec:
 # default sizes take ≈ 5 min in all and --quick ≈ 3 min. Sizes are the scripts' own
 # quick/small options.
 SPECS: dict[str, Spec] = {
-    "bench_wire": Spec(["--quick"], ["--quick"], 60, _wire),
-    "bench_tensor_wire": Spec(["--mib", "32"], ["--mib", "8"], 60, _tensor_wire),
-    "bench_coord": Spec(["--quick"], ["--quick"], 60, _coord),
-    "bench_reduce": Spec(["--quick"], ["--quick", "--reps", "1"], 150, _reduce),
+    "bench_wire": Spec(["--quick"], ["--quick"], 45, _wire),
+    "bench_tensor_wire": Spec(["--mib", "32"], ["--mib", "8"], 45, _tensor_wire),
+    "bench_coord": Spec(["--quick"], ["--quick"], 45, _coord),
+    "bench_reduce": Spec(["--quick"], ["--quick", "--reps", "1"], 120, _reduce),
     "bench_convergence": Spec(
         ["--seeds", "1", "--epochs", "1", "--samples", "12000", "--ranks", "2"],
         ["--seeds", "1", "--epochs", "1", "--samples", "6000", "--ranks", "2"],
-        150,
+        120,
         _convergence,
     ),
     "bench_overhead": Spec(
         ["--repeat", "1", "--single-repeat", "2", "--samples", "16000"],
         ["--repeat", "1", "--single-repeat", "1", "--samples", "8000"],
-        120,
+        105,
         _overhead,
     ),
     "bench_hetero": Spec(
@@ -266,6 +305,12 @@ SPECS: dict[str, Spec] = {
         _hetero,
     ),
     "bench_recovery": Spec(["--trials", "1"], ["--quick", "--paths", "kill"], 150, _recovery),
+    "bench_elastic": Spec(
+        ["--modes", "cpu_cadence", "--trials", "1", "--lighthouses", "py"],
+        ["--quick", "--modes", "cpu_cadence", "--lighthouses", "py"],
+        120,
+        _elastic,
+    ),
 }
 
 

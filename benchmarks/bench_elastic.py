@@ -16,11 +16,18 @@ averaging cycle at weight 0 and then gets work. Measured from the record log:
   ``steps > 0`` (the first averaging cycle that folds its work). Target: < 2 s + one averaging
   window, the window being the median interval between root reports in the ``--before-s``
   seconds before the kill;
-* throughput (the root report's ``throughput``, samples/s of the whole run) averaged over the
-  reports of the ``--before-s`` seconds before the kill and of the ``--after-s`` seconds after
-  the first folded cycle, and their ratio (≈ 1 for a healthy rejoin);
+* throughput (the root report's ``throughput``: each rank's samples per second of its busy
+  time, compute + data, summed over ranks) averaged over the reports of the ``--before-s``
+  seconds before the kill and of the ``--after-s`` seconds after the first folded cycle, and
+  their ratio (≈ 1 for a healthy rejoin); and the same ratio of wall-clock throughput (the
+  reports' ``steps`` × batch size over the elapsed time), which also counts averaging waits;
 * ``down_s`` (death → hello) and ``consensus_s`` (hello → the cycle that gave it the consensus)
-  from the record; and from the new process's start: → hello, → consensus, → first fold.
+  from the record; and from the new process's start: → flodl imported, → demo task built (the
+  respawned rank stamps these), → hello, → consensus, → first fold.
+
+The sync modes hand out work as whole-epoch partitions: a rank that rejoins mid-epoch holds
+the consensus after one cycle but gets work only when the next epoch opens, so their
+``t_fold`` is the rest of the epoch (reported as ``consensus→next epoch``).
 
 torchft 0.2.0 (same run, same task, data, batch size, 1 thread per process, no slowdown): 3
 replica groups of one process each run ``LocalSGD(sync_every=10)`` with one lighthouse
@@ -33,14 +40,16 @@ the state from a live peer; torchft's counterpart of flodl's consensus), and its
 sync (the first that averages its own local steps: flodl's fold).
 
     python benchmarks/bench_elastic.py [--quick] [--modes M,...] [--systems flodl,torchft]
-        [--trials N]
+        [--trials N] [--lighthouses cli,py]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
+import math
 import os
 import shutil
 import signal
@@ -64,6 +73,7 @@ from _common import (
     write_json,
 )
 
+_T_MODULE = time.time()  # a rank process: how long the interpreter took to get here
 ensure_repo_on_path()
 
 MODES = ("cpu_sync", "cpu_cadence", "cpu_async", "nccl_sync", "nccl_cadence")
@@ -87,11 +97,22 @@ PAIR_TOLERANCE_MS = 100.0
 
 
 def flodl_job(spec_path: str) -> None:
+    """The body of ``--flodl-job SPEC``; a rank process also stamps its start-up phases (wall
+    ms) into ``phases/rank<R>.<restart>.json`` next to the spec."""
+    stamps = {"module": _T_MODULE * 1000.0, "job": time.time() * 1000.0}
     from flodl import ElCheConfig, Trainer
     from flodl.demo import demo_task
 
+    stamps["imports"] = time.time() * 1000.0
     spec = json.loads(Path(spec_path).read_text())
     task = demo_task(samples=spec["samples"], seed=0)
+    stamps["task"] = time.time() * 1000.0
+    rank = os.environ.get("FLODL_RANK")
+    if rank is not None:
+        phases = Path(spec_path).parent / "phases"
+        phases.mkdir(exist_ok=True)
+        restart = os.environ.get("FLODL_RESTART_COUNT", "0")
+        (phases / f"rank{rank}.{restart}.json").write_text(json.dumps(stamps))
     handle = (
         Trainer.builder(task.model_factory, task.optim_factory, task.train_step)
         .dataset(task.train)
@@ -183,7 +204,7 @@ def averaging_window_s(reports: Sequence[dict[str, Any]], lo_ms: float, hi_ms: f
     """Median interval (s) between consecutive root reports with ``lo_ms <= ts < hi_ms``
     (NaN with fewer than two)."""
     ts = [float(r["ts"]) for r in reports if lo_ms <= float(r["ts"]) < hi_ms]
-    gaps = [(b - a) / 1000.0 for a, b in zip(ts, ts[1:], strict=False)]
+    gaps = [(b - a) / 1000.0 for a, b in itertools.pairwise(ts)]
     return statistics.median(gaps) if gaps else float("nan")
 
 
@@ -200,6 +221,39 @@ def mean_throughput(
     return (statistics.fmean(got) if got else None), len(got)
 
 
+def wall_throughput(
+    reports: Sequence[dict[str, Any]], lo_ms: float, hi_ms: float, batch_size: int
+) -> float | None:
+    """Samples/s of wall-clock time over the root reports with ``lo_ms < ts <= hi_ms``: their
+    ``steps`` (summed over ranks, done since the report before) × ``batch_size``, over the time
+    from the report before the first of them to the last of them (None: too few reports).
+
+    The reports' own ``throughput`` is per rank over its busy time (compute + data), summed;
+    this one also counts the time ranks spend waiting for averaging."""
+    idx = [i for i, r in enumerate(reports) if lo_ms < float(r["ts"]) <= hi_ms]
+    if not idx or idx[0] == 0:
+        return None
+    span_ms = float(reports[idx[-1]]["ts"]) - float(reports[idx[0] - 1]["ts"])
+    steps = sum(float(reports[i]["data"].get("steps") or 0) for i in idx)
+    return 1000.0 * steps * batch_size / span_ms if span_ms > 0 else None
+
+
+def _finite_or_none(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+def _syncs_at(reports: Sequence[dict[str, Any]], ms: float) -> int:
+    """The run's ``syncs`` counter as of ``ms`` (0 before the first reduce)."""
+    return max((int(r["data"]["syncs"]) for r in reports if float(r["ts"]) <= ms), default=0)
+
+
+def startup_phases(stamps: dict[str, float], t_start_ms: float) -> dict[str, float]:
+    """A respawned rank's start-up phases (its wall-ms stamps) in s from its process's start."""
+    names = {"module": "start_to_script_s", "imports": "start_to_imports_s"}
+    names["task"] = "start_to_task_s"
+    return {names[k]: (float(v) - t_start_ms) / 1000.0 for k, v in stamps.items() if k in names}
+
+
 def analyse_flodl(
     tree: dict[str, list[dict[str, Any]]],
     *,
@@ -208,8 +262,10 @@ def analyse_flodl(
     t_respawn_ms: float | None,
     before_s: float,
     after_s: float,
+    batch_size: int = 0,
 ) -> dict[str, Any]:
-    """Every figure of one flodl trial from its record tree (ms wall-clock times in, s out).
+    """Every figure of one flodl trial from its record tree (ms wall-clock times in, s out;
+    ``batch_size`` > 0 adds the wall-clock throughputs).
 
     Raises:
         ValueError: no ``rank_rejoined`` record after the kill, or no folded cycle after it.
@@ -229,16 +285,27 @@ def analyse_flodl(
     before, n_before = mean_throughput(reports, t_kill_ms - 1000.0 * before_s, t_kill_ms)
     after, n_after = mean_throughput(reports, fold_ms, fold_ms + 1000.0 * after_s)
     t_fold = (fold_ms - hello_ms) / 1000.0
+    if math.isnan(window):  # under two reduces in the before-window: all of those before the kill
+        window = averaging_window_s(reports, float("-inf"), t_kill_ms)
+    target = None if math.isnan(window) else TARGET_FOLD_S + window
+    down, _ = mean_throughput(reports, t_kill_ms, hello_ms)
+    epochs = [
+        r
+        for r in tree.get("root", [])
+        if r.get("kind") == "epoch" and isinstance(r.get("data"), dict)
+    ]
+    boundary = next((float(r["ts"]) for r in epochs if float(r["ts"]) >= consensus_ms), None)
+    last_epoch = [r for r in epochs if float(r["ts"]) <= t_kill_ms][-1:] or epochs[:1]
     out: dict[str, Any] = {
         "incarnation": data.get("incarnation"),
         "down_s": data.get("down_s"),
         "consensus_s": data.get("consensus_s"),
         "world_size_after": data.get("world_size"),
         "t_fold_s": t_fold,
-        "window_s": window,
-        "target_s": TARGET_FOLD_S + window,
-        "met": t_fold < TARGET_FOLD_S + window,
-        "window_down_s": averaging_window_s(reports, t_kill_ms, hello_ms),
+        "window_s": None if target is None else window,
+        "target_s": target,
+        "met": None if target is None else t_fold < target,
+        "window_down_s": _finite_or_none(averaging_window_s(reports, t_kill_ms, hello_ms)),
         "kill_to_hello_s": (hello_ms - t_kill_ms) / 1000.0,
         "kill_to_fold_s": (fold_ms - t_kill_ms) / 1000.0,
         "throughput_before": before,
@@ -246,10 +313,32 @@ def analyse_flodl(
         "reports_before": n_before,
         "reports_after": n_after,
         "throughput_ratio": None if not before or after is None else after / before,
+        "throughput_while_down": down,
+        "syncs_while_down": _syncs_at(reports, hello_ms) - _syncs_at(reports, t_kill_ms),
         "syncs_at_fold": fold["data"].get("syncs"),
+        # whole-epoch partitions (the sync modes) hand a rejoined rank work at the next epoch
+        "consensus_to_next_epoch_s": (
+            None if boundary is None else (boundary - consensus_ms) / 1000.0
+        ),
+        "epoch_s": (
+            float(last_epoch[0]["data"]["epoch_ms"]) / 1000.0
+            if last_epoch and "epoch_ms" in last_epoch[0]["data"]
+            else None
+        ),
     }
+    if batch_size > 0:
+        wall_before = wall_throughput(reports, t_kill_ms - 1000.0 * before_s, t_kill_ms, batch_size)
+        wall_after = wall_throughput(reports, fold_ms, fold_ms + 1000.0 * after_s, batch_size)
+        out |= {
+            "wall_throughput_before": wall_before,
+            "wall_throughput_after": wall_after,
+            "wall_throughput_ratio": (
+                None if not wall_before or wall_after is None else wall_after / wall_before
+            ),
+        }
     if t_respawn_ms is not None:
         out |= {
+            "kill_to_start_s": (t_respawn_ms - t_kill_ms) / 1000.0,
             "start_to_hello_s": (hello_ms - t_respawn_ms) / 1000.0,
             "start_to_consensus_s": (consensus_ms - t_respawn_ms) / 1000.0,
             "start_to_fold_s": (fold_ms - t_respawn_ms) / 1000.0,
@@ -322,6 +411,39 @@ def _tree(records: Path) -> dict[str, list[dict[str, Any]]]:
         return {}
 
 
+class _Follow:
+    """The records of one JSONL file as it grows, read incrementally (polling must not load
+    the machine it measures; a file that shrank, i.e. rotated, is read again from its start)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.rest = b""
+        self.records: list[dict[str, Any]] = []
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            return self.records
+        if size < self.offset:
+            self.offset, self.rest, self.records = 0, b"", []
+        if size > self.offset:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                chunk = f.read(size - self.offset)
+            self.offset += len(chunk)
+            *lines, self.rest = (self.rest + chunk).split(b"\n")
+            for line in lines:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and "ts" in rec:
+                    self.records.append(rec)
+        return self.records
+
+
 def _processes_with(tag: str) -> list[int]:
     out = subprocess.run(
         ["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True, check=True
@@ -344,7 +466,7 @@ def _rank_pid(tag: str, rank: int) -> int | None:
     return None
 
 
-def _wait(pred: Any, timeout_s: float, poll_s: float = 0.05) -> Any:
+def _wait(pred: Any, timeout_s: float, poll_s: float = 0.1) -> Any:
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline:
         got = pred()
@@ -410,9 +532,16 @@ def flodl_trial(mode: str, args: argparse.Namespace, work: Path) -> dict[str, An
     result: dict[str, Any] = {"system": "flodl", "mode": mode}
     victim: int | None = None
     try:
+        follow = {
+            "root": _Follow(records / "root.log"),
+            f"root/rank{VICTIM}": _Follow(records / "root" / f"rank{VICTIM}.log"),
+        }
+
+        def tree() -> dict[str, list[dict[str, Any]]]:
+            return {path: f.poll() for path, f in follow.items()}
 
         def warm() -> float | None:
-            reports = root_reports(_tree(records))
+            reports = root_reports(tree())
             if not reports or int(reports[-1]["data"]["syncs"]) < args.warm_syncs:
                 return None
             # the first second of reports is start-up; the before-window follows it
@@ -429,18 +558,16 @@ def flodl_trial(mode: str, args: argparse.Namespace, work: Path) -> dict[str, An
             raise RuntimeError(f"rank {VICTIM}'s process not found")
         t_kill = time.time() * 1000.0
         os.kill(victim, signal.SIGKILL)
-        if not _wait(
-            lambda: rejoined_record(_tree(records), VICTIM, after_ms=t_kill), args.rejoin_timeout
-        ):
+        if not _wait(lambda: rejoined_record(tree(), VICTIM, after_ms=t_kill), args.rejoin_timeout):
             raise RuntimeError(
                 f"rank {VICTIM} did not rejoin (no rank_rejoined record) within "
                 f"{args.rejoin_timeout:.0f} s of the kill"
             )
 
         def folded() -> dict[str, Any] | None:
-            tree = _tree(records)
-            rec = rejoined_record(tree, VICTIM, after_ms=t_kill)
-            return None if rec is None else first_fold(tree, VICTIM, float(rec["ts"]))
+            now = tree()
+            rec = rejoined_record(now, VICTIM, after_ms=t_kill)
+            return None if rec is None else first_fold(now, VICTIM, float(rec["ts"]))
 
         fold = _wait(folded, 30.0)
         if fold is None:
@@ -449,8 +576,7 @@ def flodl_trial(mode: str, args: argparse.Namespace, work: Path) -> dict[str, An
         # the after-window: --after-s seconds of reports past the fold (or what came by then)
         _wait(
             lambda: any(
-                float(r["ts"]) >= fold_ms + 1000.0 * args.after_s
-                for r in root_reports(_tree(records))
+                float(r["ts"]) >= fold_ms + 1000.0 * args.after_s for r in root_reports(tree())
             ),
             args.after_s + 15.0,
         )
@@ -463,10 +589,15 @@ def flodl_trial(mode: str, args: argparse.Namespace, work: Path) -> dict[str, An
                 t_respawn_ms=output.respawned_ms,
                 before_s=args.before_s,
                 after_s=args.after_s,
+                batch_size=args.batch_size,
             ),
         }
         if output.respawned_ms is None:
             result["note"] = "the launcher's respawn line was not seen"
+        else:
+            with contextlib.suppress(OSError, ValueError):
+                stamps = json.loads((trial / "phases" / f"rank{VICTIM}.1.json").read_text())
+                result |= startup_phases(stamps, output.respawned_ms)
     except Exception as exc:  # noqa: BLE001 - a failed trial is reported, not raised
         result |= {"ok": False, "error": f"{type(exc).__name__}: {exc} | {output.tail()}"[:1500]}
     finally:
@@ -547,6 +678,15 @@ def torchft_trial(args: argparse.Namespace, work: Path, cli: bool) -> dict[str, 
             _wait(done, args.torchft_cap, poll_s=0.1)
             got = analyse_torchft(_records(log), t_start)
             result |= {"ok": got["start_to_consensus_s"] is not None, **got}
+            if got["start_to_first_quorum_s"] is not None:
+                until = t_start + 1000.0 * got["start_to_first_quorum_s"]
+                result["syncs_while_down"] = sum(
+                    1
+                    for e in _records(out / "replica0.log")
+                    if e.get("event") == "commit"
+                    and e.get("committed")
+                    and t_kill < e["ts"] < until
+                )
             result["kill_to_start_s"] = (t_start - t_kill) / 1000.0
             if not result["ok"]:
                 result["error"] = (
@@ -577,6 +717,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trials", type=int, default=None, help="per mode (default 2; quick 1)")
     p.add_argument("--modes", default=",".join(MODES), help="flodl modes: %(default)s")
     p.add_argument("--systems", default="flodl,torchft", help="subset of: %(default)s")
+    p.add_argument(
+        "--lighthouses", default="cli,py", help="torchft lighthouses (binary, Python): %(default)s"
+    )
     p.add_argument("--samples", type=int, default=48_000)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--warm-syncs", type=int, default=5, help="reduces done before the kill")
@@ -592,6 +735,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--torchft-cap", type=float, default=90.0, help="give up on torchft's rejoin after"
     )
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "bench_elastic.json")
+    p.add_argument("--keep", action="store_true", help="keep the record logs (prints where)")
     p.add_argument("--flodl-job", help=argparse.SUPPRESS)
     p.add_argument("--tag", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -609,6 +753,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--systems: a subset of flodl,torchft")
     if set(args.mode_list) - set(MODES):
         p.error(f"--modes: a subset of {','.join(MODES)}")
+    args.lighthouse_list = [s.strip() for s in args.lighthouses.split(",") if s.strip()]
+    if set(args.lighthouse_list) - set(TORCHFT_VARIANTS):
+        p.error("--lighthouses: a subset of cli,py")
     return args
 
 
@@ -631,14 +778,25 @@ FLODL_FIELDS = (
     "down_s",
     "consensus_s",
     "t_fold_s",
+    "consensus_to_next_epoch_s",
+    "epoch_s",
     "window_s",
     "target_s",
     "throughput_before",
     "throughput_after",
     "throughput_ratio",
+    "wall_throughput_before",
+    "wall_throughput_after",
+    "wall_throughput_ratio",
+    "throughput_while_down",
+    "syncs_while_down",
+    "start_to_script_s",
+    "start_to_imports_s",
+    "start_to_task_s",
     "start_to_hello_s",
     "start_to_consensus_s",
     "start_to_fold_s",
+    "kill_to_hello_s",
     "kill_to_fold_s",
 )
 TORCHFT_FIELDS = (
@@ -647,7 +805,16 @@ TORCHFT_FIELDS = (
     "start_to_heal_s",
     "start_to_consensus_s",
     "start_to_fold_s",
+    "syncs_while_down",
 )
+
+
+def _dispatch(mode: str) -> str:
+    """How the mode hands out work: a rejoined rank of a whole-epoch-partition mode (the
+    sync modes) gets work when the next epoch opens; a chunk mode's at its next chunk."""
+    from flodl import ElCheConfig
+
+    return "chunks" if ElCheConfig.preset(mode).traits.progressive else "epoch partitions"
 
 
 def summarize(trials: Sequence[dict[str, Any]], mode_list: Sequence[str]) -> list[dict[str, Any]]:
@@ -673,6 +840,7 @@ def summarize(trials: Sequence[dict[str, Any]], mode_list: Sequence[str]) -> lis
             "errors": [t["error"] for t in ts if not t.get("ok") and "error" in t],
         }
         if system == "flodl":
+            row["dispatch"] = _dispatch(which)
             row["target"] = f"t_fold < {TARGET_FOLD_S:g} s + one averaging window"
             row["met"] = bool(good) and all(t["met"] for t in good)
         rows.append(row)
@@ -704,7 +872,7 @@ def main(argv: list[str] | None = None) -> int:
                     trials.append(r)
                     print(f"  flodl {mode}: {_brief(r)}", flush=True)
         if "torchft" in args.system_list:
-            for variant in TORCHFT_VARIANTS:
+            for variant in args.lighthouse_list:
                 if reason is not None:
                     trials.append(
                         {"system": "torchft", "variant": variant, "ok": False, "error": reason}
@@ -716,7 +884,10 @@ def main(argv: list[str] | None = None) -> int:
                     trials.append(r)
                     print(f"  torchft ({variant}): {_brief(r)}", flush=True)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            print(f"  record logs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
     rows = summarize(trials, args.mode_list if "flodl" in args.system_list else [])
     print_tables(rows)
@@ -741,6 +912,7 @@ def main(argv: list[str] | None = None) -> int:
                 "threads_per_process": 1,
                 "slowdown": 1.0,
                 "torchft_sync_every": TORCHFT_SYNC_EVERY,
+                "torchft_lighthouses": args.lighthouse_list,
                 "target_fold_s": TARGET_FOLD_S,
             },
             "torchft": {"available": reason is None, "reason": reason},
@@ -771,15 +943,22 @@ def print_tables(rows: Sequence[dict[str, Any]]) -> None:
                 _cell(r["window_s"]),
                 _cell(r["target_s"]),
                 verdict if r["ok"] else "-",
+                r["dispatch"],
+                _cell(r["epoch_s"]),
+                _cell(r["consensus_to_next_epoch_s"]),
                 _cell(r["throughput_before"], ".0f"),
                 _cell(r["throughput_after"], ".0f"),
                 _cell(r["throughput_ratio"]),
+                _cell(r["wall_throughput_ratio"]),
                 note,
             ]
         )
     if table:
         print_table(
-            "flodl rejoin (s; samples/s): median (min–max) over trials",
+            "flodl rejoin (s; samples/s): median (min–max) over trials; t_fold = hello → first "
+            "cycle folding its steps, target = 2 s + window (median reduce interval before the "
+            "kill); thr = the reports' throughput (samples/s of busy time, summed over ranks), "
+            "wall = their steps × batch / elapsed time",
             [
                 "mode",
                 "ok",
@@ -789,40 +968,67 @@ def print_tables(rows: Sequence[dict[str, Any]]) -> None:
                 "window s",
                 "target s",
                 "",
+                "dispatch",
+                "epoch s",
+                "consensus→next epoch s",
                 "thr before",
                 "thr after",
                 "after/before",
+                "wall after/before",
                 "note",
             ],
             table,
         )
     table = []
     for r in rows:
-        if r["system"] == "flodl":
-            label = f"flodl {r['mode']}"
-            ready, first = r["start_to_hello_s"], r["start_to_hello_s"]
-        else:
-            label = TORCHFT_VARIANTS[r["variant"]]
-            ready, first = r["start_to_ready_s"], r["start_to_first_quorum_s"]
         note = f"failed: {r['errors'][0][:90]}" if r["errors"] else ""
+        if r["system"] == "flodl":
+            cells = [
+                f"flodl {r['mode']}",
+                _cell(r["start_to_imports_s"]),
+                _cell(r["start_to_task_s"]),
+                _cell(r["start_to_hello_s"]),
+                "-",
+            ]
+        else:
+            cells = [
+                TORCHFT_VARIANTS[r["variant"]],
+                "-",
+                "-",
+                _cell(r["start_to_ready_s"]),
+                _cell(r["start_to_first_quorum_s"]),
+            ]
         table.append(
             [
-                label,
+                cells[0],
                 f"{r['ok']}/{r['trials']}",
-                _cell(ready),
-                _cell(first),
+                *cells[1:],
                 _cell(r["start_to_consensus_s"]),
                 _cell(r["start_to_fold_s"]),
+                _cell(r["syncs_while_down"], ".0f"),
                 note,
             ]
         )
     print_table(
         "restart → rejoin, s from the new process's start: median (min–max) over trials\n"
-        "  flodl: ready = hello; state = the cycle that gave it the consensus; own work = first "
-        "cycle that folds its steps\n"
-        "  torchft: ready = Manager up; 1st quorum; state = its first committed sync (healed "
-        "from a peer); own work = the next committed sync",
-        ["system", "ok", "ready", "connected", "has the state", "own work folded", "note"],
+        "  flodl: up = its hello; has the state = the cycle that gave it the consensus; own work "
+        "= the first cycle that folds its steps\n"
+        "  torchft: up = its Manager is built; has the state = its first committed sync (healed "
+        "from a peer); own work = the next one\n"
+        "  survivor syncs = reduces the others completed between the kill and the victim's "
+        "hello (flodl) / first quorum (torchft)",
+        [
+            "system",
+            "ok",
+            "flodl imported",
+            "task built",
+            "up",
+            "1st quorum",
+            "has the state",
+            "own work folded",
+            "survivor syncs",
+            "note",
+        ],
         table,
     )
 

@@ -153,3 +153,133 @@ def test_suite_plan_and_extractors(bench: Any) -> None:
     rows = m._reduce({**reduce, "loop_lag": lag})
     assert [r["met"] for r in rows] == [True, False]
     assert rows[1]["value"] == "62.3 ms" and "256 MiB" in rows[1]["metric"]
+
+
+def _elastic_tree() -> dict[str, list[dict[str, Any]]]:
+    """A hand-made record tree: reduces every 200 ms from t = 0, rank 1 dies at 0.95 s, says hello
+    at 2.9 s, gets the consensus in the cycle at 3.0 s (weight 0) and does steps from the one at
+    3.2 s; throughput 300 before the kill, 200 while down, 330 after the fold."""
+    root: list[dict[str, Any]] = []
+    rank1: list[dict[str, Any]] = []
+    for i in range(25):
+        ts = 200.0 * i
+        thr = 300.0 if ts < 1000 else 200.0 if ts < 3200 else 330.0
+        data = {"syncs": i + 1, "throughput": thr, "steps": thr / 10}
+        root.append({"ts": ts, "kind": "node", "data": data})
+        steps = 0.0 if 1000 <= ts < 3200 else 10.0
+        rank1.append({"ts": ts + 0.5, "kind": "node", "data": {"steps": steps}})
+    root.insert(0, {"ts": -5.0, "kind": "meta", "data": {}})
+    root.append({"ts": 4000.0, "kind": "epoch", "data": {"epoch": 0, "epoch_ms": 4000.0}})
+    rank1.append({"ts": 1010.0, "kind": "event", "data": {"class": "rank_lost"}})
+    rank1.append({"ts": 2900.0, "kind": "event", "data": {"class": "rank_rejoined"}})
+    rejoined = {"rank": 1, "incarnation": 1, "down_s": 1.9, "consensus_s": 0.1, "world_size": 3}
+    rank1.append({"ts": 3000.0, "kind": "rank_rejoined", "data": rejoined})
+    rank1.sort(key=lambda r: r["ts"])
+    return {"root": root, "root/rank1": rank1}
+
+
+def test_elastic_fold_window_and_throughput(bench: Any) -> None:
+    e = bench("bench_elastic")
+    tree = _elastic_tree()
+    assert len(e.root_reports(tree)) == 25  # the meta and epoch records are no reduces
+    fold = e.first_fold(tree, 1, after_ms=3000.0)
+    assert fold is not None and fold["ts"] == 3200.0  # the cycle at 3.0 s had 0 steps
+    got = e.analyse_flodl(
+        tree,
+        victim=1,
+        t_kill_ms=950.0,
+        t_respawn_ms=2000.0,
+        before_s=0.8,
+        after_s=0.8,
+        batch_size=10,
+    )
+    assert got["t_fold_s"] == pytest.approx(0.3)  # hello at 2.9 s → fold at 3.2 s
+    assert got["window_s"] == pytest.approx(0.2)
+    assert got["target_s"] == pytest.approx(2.2) and got["met"] is True
+    assert (got["down_s"], got["consensus_s"]) == (1.9, 0.1)
+    assert got["throughput_before"] == pytest.approx(300.0) and got["reports_before"] == 4
+    assert got["throughput_after"] == pytest.approx(330.0) and got["reports_after"] == 4
+    assert got["throughput_ratio"] == pytest.approx(1.1)
+    assert got["throughput_while_down"] == pytest.approx(200.0)
+    # wall-clock: 4 reports of 30 steps × 10 samples in the 0.8 s since the report at t = 0
+    assert got["wall_throughput_before"] == pytest.approx(1500.0)
+    assert got["wall_throughput_ratio"] == pytest.approx(1.1)
+    assert got["start_to_hello_s"] == pytest.approx(0.9)
+    assert got["start_to_fold_s"] == pytest.approx(1.2)
+    assert got["syncs_while_down"] == 15 - 5  # syncs 5 at 0.8 s, 15 at 2.8 s
+    assert got["consensus_to_next_epoch_s"] == pytest.approx(1.0)
+    # order pairing needs equal lengths; a missing rank record falls back to time pairing
+    del tree["root/rank1"][0]
+    pairs = e.paired_reports(tree, 1)
+    assert pairs[0][1] is None and pairs[1][1]["ts"] == 200.5
+    assert e.first_fold(tree, 1, after_ms=3000.0)["ts"] == 3200.0
+    with pytest.raises(ValueError, match="rank_rejoined"):
+        e.analyse_flodl(tree, victim=1, t_kill_ms=3500.0, t_respawn_ms=None, before_s=1, after_s=1)
+
+
+def test_elastic_torchft_milestones_and_arguments(bench: Any) -> None:
+    e = bench("bench_elastic")
+    old = [{"ts": 50.0, "event": "commit", "committed": True}]  # the killed process's lines
+    new = [
+        {"ts": 1500.0, "event": "start"},
+        {"ts": 2000.0, "event": "quorum", "healing": True},
+        {"ts": 2100.0, "event": "commit", "committed": True},
+        {"ts": 2300.0, "event": "quorum", "healing": False},
+        {"ts": 2350.0, "event": "commit", "committed": False},
+        {"ts": 2400.0, "event": "quorum", "healing": False},
+        {"ts": 2500.0, "event": "commit", "committed": True},
+    ]
+    got = e.analyse_torchft(old + new, t_start_ms=1000.0)
+    assert got["start_to_ready_s"] == pytest.approx(0.5)
+    assert got["start_to_heal_s"] == pytest.approx(1.0)
+    assert got["start_to_consensus_s"] == pytest.approx(1.1)
+    assert got["start_to_fold_s"] == pytest.approx(1.5)
+    assert got["failed_commits"] == 1
+    assert e.analyse_torchft(old, t_start_ms=1000.0)["start_to_consensus_s"] is None
+    args = e.parse_args(["--quick", "--modes", "cpu_sync,nccl_cadence"])
+    assert args.trials == 1 and args.mode_list == ["cpu_sync", "nccl_cadence"]
+    assert args.system_list == ["flodl", "torchft"] and args.lighthouse_list == ["cli", "py"]
+    assert e.parse_args([]).trials == 2
+    for bad in (["--modes", "gloo"], ["--systems", "horovod"], ["--trials", "0"]):
+        with pytest.raises(SystemExit):
+            e.parse_args(bad)
+    rows = e.summarize(
+        [
+            {"system": "flodl", "mode": "cpu_sync", "ok": True, "met": True, "t_fold_s": 0.5},
+            {"system": "flodl", "mode": "cpu_sync", "ok": False, "error": "boom"},
+        ],
+        ["cpu_sync"],
+    )
+    assert rows[0]["met"] is True and rows[0]["t_fold_s"]["n"] == 1
+    assert rows[0]["dispatch"] == "epoch partitions" and rows[0]["errors"] == ["boom"]
+
+
+def test_suite_elastic_extractor(bench: Any) -> None:
+    m = bench("benchmarks.__main__")
+    assert "bench_elastic" in m.SPECS
+    stat = {"median": 0.5, "min": 0.4, "max": 0.6, "n": 2}
+    none = {"median": None, "min": None, "max": None, "n": 0}
+    rows = m._elastic(
+        {
+            "rows": [
+                {
+                    "system": "flodl",
+                    "mode": "cpu_cadence",
+                    "t_fold_s": stat,
+                    "target_s": {**stat, "min": 2.2},
+                    "throughput_ratio": {**stat, "median": 0.97},
+                    "start_to_consensus_s": {**stat, "median": 7.0},
+                    "met": True,
+                    "errors": [],
+                },
+                {
+                    "system": "torchft",
+                    "variant": "py",
+                    "start_to_consensus_s": none,
+                    "errors": ["torchft not importable"],
+                },
+            ]
+        }
+    )
+    assert rows[0]["met"] is True and "0.60 s" in rows[0]["value"] and "0.97" in rows[0]["value"]
+    assert rows[1]["value"].startswith("n/a") and "not importable" in rows[1]["note"]
