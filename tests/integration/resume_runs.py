@@ -75,6 +75,12 @@ def evals(stdout: str) -> list[tuple[int, float]]:
     ]
 
 
+PARITY_MODES = ("cpu_cadence", "nccl_cadence")
+"""The modes whose held-out accuracy the resize and rejoin tests compare with uninterrupted
+runs (one per averaging backend; each costs an extra run per world size, and CI's time is
+bounded). Coverage is checked in every mode."""
+
+
 def within_parity(acc: float, baseline: float) -> bool:
     """The parity bound of docs/benchmarks.md: within 0.5 pp or 2 % relative of the baseline."""
     return acc >= baseline - max(0.005, 0.02 * baseline)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from resume_runs import (
+    PARITY_MODES,
     done,
     evals,
     processes_with,
@@ -81,6 +82,7 @@ def test_a_killed_rank_is_respawned_rejoins_and_trains_to_the_end(
     assert set(counts) == set(range(N)) and min(counts.values()) >= EPOCHS
     # the second incarnation trained (the first one logged 9 batches before its kill)
     assert len(rank_batches(tmp_path / "a", 2)) > 9 + 20
-    base = uninterrupted(tmp_path, common, 3)
-    acc = evals(out.stdout)[-1][1]
-    assert within_parity(acc, base), (acc, base)
+    if mode in PARITY_MODES:
+        base = uninterrupted(tmp_path, common, 3)
+        acc = evals(out.stdout)[-1][1]
+        assert within_parity(acc, base), (acc, base)
