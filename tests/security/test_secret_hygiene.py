@@ -350,9 +350,15 @@ def test_flodl_coord_binds_loopback_by_default_and_warns_on_other_addresses(
     for name, args in (("default", ()), ("public", ("--host", "0.0.0.0"))):
         proc, address, err = _start_coord(tmp_path, secret_file, *args, name=name)
         proc.send_signal(signal.SIGINT)
-        proc.wait(30)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:  # never leave it running; say what it was doing
+            proc.kill()
+            proc.wait(30)
+            pytest.fail(f"flodl coord ignored SIGINT for 30 s: {err.read_text()[-3000:]}")
+        finally:
+            if proc.stdout is not None:
+                proc.stdout.close()
         text = err.read_text()
         if name == "default":
             assert address.startswith("127.0.0.1:"), address
