@@ -182,6 +182,12 @@ def test_a_crashing_rank_is_survived_and_leaves_no_process() -> None:
     assert processes_with(tag) == []
 
 
+def default_sigint() -> None:
+    """In the child: SIGINT's default action (a shell's background job, such as a CI run
+    started with ``&``, passes SIGINT on ignored, and Python then installs no handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_the_launcher_stops_every_child(sig: signal.Signals) -> None:
@@ -192,6 +198,7 @@ def test_a_signal_to_the_launcher_stops_every_child(sig: signal.Signals) -> None
         stderr=subprocess.DEVNULL,
         text=True,
         cwd=REPO,
+        preexec_fn=default_sigint,  # noqa: PLW1509 - it only resets one signal (see there)
     )
     try:
         assert proc.stdout is not None

@@ -215,6 +215,9 @@ def _start_coord(
             stderr=se,
             cwd=REPO,
             env=scrubbed_env(),
+            # SIGINT's default action in the child: a suite started in the background (CI
+            # with `&`) passes SIGINT on ignored, and Python then installs no handler
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509
         )
     assert proc.stdout is not None
     banner = b""
