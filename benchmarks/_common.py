@@ -12,6 +12,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -134,3 +135,27 @@ def machine_info() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
+
+
+def processes_with(tag: str) -> list[int]:
+    """Pids of the processes whose command line holds ``tag`` (a run's tag argument)."""
+    out = subprocess.run(
+        ["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True, check=True
+    )
+    pids = []
+    for line in out.stdout.splitlines():
+        if tag in line and "ps -ww" not in line:
+            pids.append(int(line.split()[0]))
+    return pids
+
+
+def rank_pid(tag: str, rank: int) -> int | None:
+    """The pid of rank ``rank`` of the run tagged ``tag`` (by its ``FLODL_RANK``)."""
+    for pid in processes_with(tag):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"FLODL_RANK={rank}".encode() in env:
+            return pid
+    return None

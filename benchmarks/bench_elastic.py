@@ -70,6 +70,8 @@ from _common import (
     ensure_repo_on_path,
     machine_info,
     print_table,
+    processes_with,
+    rank_pid,
     write_json,
 )
 
@@ -444,28 +446,6 @@ class _Follow:
         return self.records
 
 
-def _processes_with(tag: str) -> list[int]:
-    out = subprocess.run(
-        ["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True, check=True
-    )
-    pids = []
-    for line in out.stdout.splitlines():
-        if tag in line and "ps -ww" not in line:
-            pids.append(int(line.split()[0]))
-    return pids
-
-
-def _rank_pid(tag: str, rank: int) -> int | None:
-    for pid in _processes_with(tag):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"FLODL_RANK={rank}".encode() in env:
-            return pid
-    return None
-
-
 def _wait(pred: Any, timeout_s: float, poll_s: float = 0.1) -> Any:
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline:
@@ -553,7 +533,7 @@ def flodl_trial(mode: str, args: argparse.Namespace, work: Path) -> dict[str, An
                 f"no {args.warm_syncs} reduces and {args.before_s + 1:.0f} s of reports within "
                 f"{args.start_timeout:.0f} s"
             )
-        victim = _rank_pid(tag, VICTIM)
+        victim = rank_pid(tag, VICTIM)
         if victim is None:
             raise RuntimeError(f"rank {VICTIM}'s process not found")
         t_kill = time.time() * 1000.0
@@ -620,8 +600,8 @@ def _stop_job(proc: subprocess.Popen[bytes], tag: str) -> int:
         proc.wait()
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    left = _wait(lambda: not _processes_with(tag), 5.0)
-    stragglers = [] if left else _processes_with(tag)
+    left = _wait(lambda: not processes_with(tag), 5.0)
+    stragglers = [] if left else processes_with(tag)
     for pid in stragglers:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

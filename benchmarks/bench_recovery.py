@@ -48,6 +48,8 @@ from _common import (
     ensure_repo_on_path,
     machine_info,
     print_table,
+    processes_with,
+    rank_pid,
     write_json,
 )
 
@@ -126,28 +128,6 @@ def _rank_lost_ts(records: Path, rank: int) -> float | None:
     return None
 
 
-def _processes_with(tag: str) -> list[int]:
-    out = subprocess.run(
-        ["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True, check=True
-    )
-    pids = []
-    for line in out.stdout.splitlines():
-        if tag in line and "ps -ww" not in line:
-            pids.append(int(line.split()[0]))
-    return pids
-
-
-def _rank_pid(tag: str, rank: int) -> int | None:
-    for pid in _processes_with(tag):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"FLODL_RANK={rank}".encode() in env:
-            return pid
-    return None
-
-
 def _wait(pred: Any, timeout_s: float, poll_s: float = 0.02) -> Any:
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline:
@@ -197,7 +177,7 @@ def flodl_trial(path: str, args: argparse.Namespace, work: Path) -> dict[str, An
         )
         if not warm:
             raise RuntimeError(f"no {args.warm_syncs} reduces within {args.start_timeout:.0f} s")
-        victim = _rank_pid(tag, VICTIM)
+        victim = rank_pid(tag, VICTIM)
         if victim is None:
             raise RuntimeError(f"rank {VICTIM}'s process not found")
         sig = signal.SIGKILL if path == "kill" else signal.SIGSTOP
@@ -236,7 +216,7 @@ def flodl_trial(path: str, args: argparse.Namespace, work: Path) -> dict[str, An
             proc.kill()
             proc.wait()
         log.close()
-        for pid in _processes_with(tag):
+        for pid in processes_with(tag):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     return result
