@@ -261,6 +261,7 @@ def test_a_recorded_connection_replayed_whole_on_its_own_server_is_refused_at_it
         finally:
             client.close()
             proxy.close()
+        wait_for(lambda: len(done) == 1, "round 0 to end")  # on_done follows the consensus
         recorded = bytes(proxy.sent)
         srv.rank_dead(0)  # the incarnation that sent it is gone; the rank comes back
         srv.rank_rejoined(0)
@@ -268,4 +269,5 @@ def test_a_recorded_connection_replayed_whole_on_its_own_server_is_refused_at_it
         wait_refused(srv, "replayed hello of rank 0")
         assert [d[0] for d in done] == [0]
         reduce_once(srv, srv.port, "run-a", 1, params(1))  # the genuine next incarnation
+        wait_for(lambda: len(done) == 2, "round 1 to end")
         assert [d[0] for d in done] == [0, 1]
