@@ -15,7 +15,9 @@ in the order the rules need:
    would split it);
 4. when a cycle it entered (at weight 0) finalizes with a non-zero total weight, it holds the
    consensus: the ``rank_joined`` / ``rank_rejoined`` record (with ``down_s`` and
-   ``consensus_s``), and the cohort takes it in.
+   ``consensus_s``), and the cohort takes it in; progressive modes hand it chunks from the
+   pool, whole-epoch partitions are re-split (``Dispatch.rebalance``) so it trains a share of
+   the open epoch.
 """
 
 from __future__ import annotations
@@ -147,9 +149,10 @@ class Admission:
             self._grow_due = False
             out.extend(self.membership.reform_session(None))
 
-    def caught_up(self, now: float, out: list[Effect]) -> None:
+    def caught_up(self, now: float, out: list[Effect], *, training: bool) -> None:
         """Admitted ranks that entered the cycle being finalized hold the consensus: they may
-        train from now on."""
+        train from now on; while the run trains, whole-epoch partitions are re-split to give
+        them a share of the open epoch (``training``: the run's phase is training)."""
         if not self.membership.awaiting or self.cycle.weight_total == 0:
             return  # (a round of total weight 0 realized nothing: every rank kept its state)
         synced = self.membership.got_consensus(set(self.cycle.acked))
@@ -173,3 +176,5 @@ class Admission:
             )
         if synced:
             self.dispatch.invalidate_cohort()
+            if training:
+                self.dispatch.rebalance(out)

@@ -8,7 +8,9 @@ is the source of truth for coverage; this module decides what goes into it:
   ledger (the coordinator raises a critical ``coverage`` alert if it broke);
 * **whole-epoch partitions** (Sync by default) are assigned when the epoch opens, in proportion
   to measured speeds where the mode says so; a dead rank's uncommitted share is split among the
-  survivors (``extend_partition``);
+  survivors (``extend_partition``); a rank that joins mid-epoch gets a share of what the
+  others have not trained yet (``revoke_partition``, then ``extend_partition``: the ranks give
+  back the untrained tail of their queue and say how much, so nothing started is ever moved);
 * **progressive chunks** (Cadence, Async) are handed one at a time: barrier-paced modes hold a
   rank with work in flight or during a pending cycle, never cross a reduce barrier, and serve
   the epoch's final window from a plan pinned per (epoch, cohort version); Async counts work
@@ -32,10 +34,17 @@ from typing import Any
 
 from flodl.config import CoordConfig
 from flodl.coord.cycle import Cycle, RankWindow
-from flodl.coord.effects import Effect, Send
+from flodl.coord.effects import Effect, Record, Send
 from flodl.coord.elche import ElChe
 from flodl.coord.gate import CountGate
-from flodl.coord.ledger import BatchRange, CoverageReport, EpochWork, from_samples, to_samples
+from flodl.coord.ledger import (
+    BatchRange,
+    CoverageReport,
+    EpochWork,
+    from_samples,
+    range_total,
+    to_samples,
+)
 from flodl.coord.membership import Membership
 from flodl.coord.partition import (
     carve_ranges,
@@ -45,9 +54,16 @@ from flodl.coord.partition import (
     split_among,
 )
 from flodl.coord.resume import ResumeState
-from flodl.errors import RemoteProtocolError
+from flodl.errors import LocalProtocolError, RemoteProtocolError
 from flodl.sampling import epoch_batches
-from flodl.wire.frames import Batch, EpochPlan, ExtendPartition, StartEpoch
+from flodl.wire.frames import (
+    Batch,
+    EpochPlan,
+    ExtendPartition,
+    PartitionRevoked,
+    RevokePartition,
+    StartEpoch,
+)
 
 __all__ = ["Dispatch", "ClosedEpoch", "OVERSHOOT_INITIAL"]
 
@@ -115,6 +131,12 @@ class Dispatch:
         self._cohort_version = 0
         self._resume_epoch: int | None = None
         self._resume_uncovered: list[BatchRange] | None = None
+        self.revoking: dict[tuple[int, int], list[BatchRange]] = {}
+        """(rank, epoch) → the ranges that rank was asked to give back and has not answered."""
+        self.wants: dict[int, dict[int, int]] = {}
+        """epoch → rank → batches a re-split owes it, filled from what others give back."""
+        self._given: dict[int, dict[int, int]] = {}
+        """epoch → rank → batches the re-split in progress gave it (its record)."""
 
     # ------------------------------------------------------------------ queries
     @property
@@ -255,6 +277,8 @@ class Dispatch:
         if not self.works[first].is_done():
             return None
         work = self.works.pop(first)
+        self.wants.pop(first, None)
+        self._given.pop(first, None)
         report = work.coverage_report()
         self.coverage_log[first] = report
         self.final_plans.pop(first, None)
@@ -363,20 +387,185 @@ class Dispatch:
         """Return the dead rank's uncommitted work: to the pool (progressive, or when the run
         is shutting down), else split among survivors with ``extend_partition``."""
         alive = self.membership.training()
-        for epoch, work in sorted(self.works.items()):
+        for _, work in sorted(self.works.items()):
             returned = work.forfeit(rank)
             if not returned or self.progressive or not alive or not redistribute:
                 continue
             for survivor, piece in split_among(returned, alive):
-                work.assign(survivor, piece)
-                self.refresh(survivor)
-                offset, size = to_samples(piece, self._bs)
-                out.append(
-                    Send(
-                        survivor,
-                        ExtendPartition(epoch=epoch, partition_offset=offset, partition_size=size),
-                    )
+                self._extend(work, survivor, piece, out)
+        for key in [k for k in self.revoking if k[0] == rank]:
+            del self.revoking[key]  # (what it was asked to give back was forfeited above)
+        for wants in self.wants.values():
+            wants.pop(rank, None)
+
+    def _extend(self, work: EpochWork, rank: int, piece: BatchRange, out: list[Effect]) -> None:
+        """Append ``piece`` of the pool to ``rank``'s partition (``extend_partition``)."""
+        work.assign(rank, piece)
+        self.refresh(rank)
+        offset, size = to_samples(piece, self._bs)
+        out.append(
+            Send(
+                rank,
+                ExtendPartition(epoch=work.epoch, partition_offset=offset, partition_size=size),
+            )
+        )
+
+    # ------------------------------------------------------------------ re-partitioning
+    def rebalance(self, out: list[Effect]) -> None:
+        """Whole-epoch partitions: re-split each open epoch's untrained work over the ranks
+        that train now (a rank joined mid-epoch, docs/design.md §2 "Rejoin").
+
+        Each rank's holding is its untrained work, less what it was asked to give back, plus
+        what it is owed. Ranks above their share are asked for the excess
+        (``revoke_partition``, the tail of their queue); ranks below it are owed the
+        difference, which they get from what the others give back (:meth:`on_revoked`). A rank
+        with a revoke still unanswered in that epoch is asked for nothing more."""
+        if self.progressive:
+            return
+        training = self.membership.training()
+        if len(training) < 2:
+            return
+        mask = self.membership.training_mask()
+        calibrated = self.elche.calibrated or self.elche.has_speed_hint()
+        for epoch, work in sorted(self.works.items()):
+            wants = self.wants.setdefault(epoch, {})
+            held = {
+                r: work.in_flight(r)
+                - range_total(self.revoking.get((r, epoch), ()))
+                + wants.get(r, 0)
+                for r in training
+            }
+            sizes = partition_sizes(
+                sum(held.values()),
+                self.config.world_size,
+                alive=mask,
+                ms_per_batch=self.elche.smoothed_ms if calibrated else None,
+                ratios=self.config.elche.partition_ratios,
+                proportional=self.traits.speed_proportional and calibrated,
+            )
+            asked: list[list[int]] = []
+            for r in training:
+                gap = sizes[r] - held[r]
+                if gap > 0:
+                    wants[r] = wants.get(r, 0) + gap
+                elif gap < 0 and (r, epoch) not in self.revoking:
+                    asked.append([r, self._revoke(work, r, -gap, out)])
+            out.append(
+                Record(
+                    "root",
+                    "repartition",
+                    {
+                        "epoch": epoch,
+                        "untrained": sum(held.values()),
+                        "ranks": training,
+                        "asked": asked,
+                        "owed": sorted([r, n] for r, n in wants.items()),
+                    },
                 )
+            )
+            if not any(e == epoch for _, e in self.revoking):
+                del self.wants[epoch]  # nobody was asked: nothing will come to share out
+                self._given.pop(epoch, None)
+
+    def _revoke(self, work: EpochWork, rank: int, batches: int, out: list[Effect]) -> int:
+        """Ask ``rank`` for the last ``batches`` of its untrained queue, one request per
+        queued range the tail spans; how many batches were asked for."""
+        wanted = batches
+        asked: list[BatchRange] = []
+        for rng in reversed(work.outstanding(rank)):
+            if batches <= 0:
+                break
+            take = min(batches, rng.size)
+            piece = BatchRange(rng.stop - take, rng.stop)
+            asked.append(piece)
+            batches -= take
+            offset, size = to_samples(piece, self._bs)
+            out.append(
+                Send(
+                    rank,
+                    RevokePartition(epoch=work.epoch, partition_offset=offset, partition_size=size),
+                )
+            )
+        if asked:
+            self.revoking[(rank, work.epoch)] = asked
+        return wanted - batches
+
+    def on_revoked(self, frame: PartitionRevoked, out: list[Effect], *, redistribute: bool) -> None:
+        """A rank answered ``revoke_partition``: what it dropped returns to the pool and goes
+        to the ranks owed work (what they are not owed, equally to every training rank); it
+        stays in the pool when the run is stopping (``redistribute`` False).
+
+        Raises:
+            RemoteProtocolError: an answer to a revoke the rank was not sent, or one that drops
+                more than asked or batches it already reported trained (it is evicted).
+        """
+        rank, epoch, bs = frame.rank, frame.epoch, self._bs
+        key = (rank, epoch)
+        asked = self.revoking.get(key, [])
+        try:
+            rng = from_samples(frame.partition_offset, frame.partition_size, bs)
+            dropped = from_samples(0, frame.revoked_size, bs).size
+        except LocalProtocolError as exc:
+            raise RemoteProtocolError(
+                f"rank {rank}: bad partition_revoked: {exc}", rank=rank
+            ) from exc
+        if rng not in asked or dropped > rng.size:
+            raise RemoteProtocolError(
+                f"rank {rank} answered a revoke of [{rng.start}, {rng.stop}) of epoch {epoch} "
+                f"(dropping {dropped} batches) that it was not sent",
+                rank=rank,
+            )
+        asked.remove(rng)
+        if not asked:
+            del self.revoking[key]
+        freed = BatchRange(rng.stop - dropped, rng.stop)
+        work = self.works.get(epoch)
+        wants = self.wants.get(epoch, {})
+        if work is None:
+            if freed.size:  # the epoch closed: every batch of it was committed
+                raise RemoteProtocolError(
+                    f"rank {rank} gave back batches of epoch {epoch}, which is complete", rank=rank
+                )
+        else:
+            try:
+                work.release(rank, freed)
+            except LocalProtocolError as exc:
+                raise RemoteProtocolError(str(exc), rank=rank) from exc
+            self.refresh(rank)
+            if redistribute and freed.size:
+                self._share_out(work, freed, wants, out)
+        if not any(e == epoch for _, e in self.revoking):
+            self.wants.pop(epoch, None)  # every answer is in: what is still owed lapses
+            given = self._given.pop(epoch, {})
+            out.append(
+                Record(
+                    "root",
+                    "repartitioned",
+                    {"epoch": epoch, "given": sorted([r, n] for r, n in given.items())},
+                )
+            )
+
+    def _share_out(
+        self, work: EpochWork, freed: BatchRange, wants: dict[int, int], out: list[Effect]
+    ) -> None:
+        cursor = freed.start
+        given = self._given.setdefault(work.epoch, {})
+        for r in sorted(wants):
+            if cursor == freed.stop:
+                break
+            take = min(wants[r], freed.stop - cursor)
+            if take <= 0 or not self.membership.trains(r):
+                continue
+            self._extend(work, r, BatchRange(cursor, cursor + take), out)
+            wants[r] -= take
+            cursor += take
+            given[r] = given.get(r, 0) + take
+        rest = BatchRange(cursor, freed.stop)
+        training = self.membership.training()
+        if rest.size and training:
+            for r, piece in split_among([rest], training):
+                self._extend(work, r, piece, out)
+                given[r] = given.get(r, 0) + piece.size
 
     def observe_verdict(self, stable: bool) -> None:
         """The automatic Async overshoot: grows by one per Stable verdict, resets otherwise."""

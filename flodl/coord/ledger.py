@@ -376,6 +376,39 @@ class EpochWork:
         _insert_disjoint(self._pool, rng)
         self._pool_count += rng.size
 
+    def release(self, rank: int, rng: BatchRange) -> None:
+        """Return the untrained end of one of ``rank``'s queued ranges to the pool (the rank
+        gave it back: ``revoke_partition``). An empty range is a no-op.
+
+        Raises:
+            LocalProtocolError: ``rng`` is not the end of one of the rank's queued ranges, or
+                part of it is already done.
+        """
+        ledger = self._ledger(rank)
+        if rng.size == 0:
+            return
+        before = 0  # batches queued ahead of the range, in training order
+        for i, entry in enumerate(ledger.queue):
+            if entry.stop == rng.stop and entry.start <= rng.start:
+                if before + (rng.start - entry.start) < ledger.done_open:
+                    break  # (a batch of it is done)
+                if rng.start == entry.start:
+                    del ledger.queue[i]
+                else:
+                    ledger.queue[i] = BatchRange(entry.start, rng.start)
+                if ledger.last_grant == entry:
+                    ledger.last_grant = None
+                ledger.queued -= rng.size
+                _insert_disjoint(self._pool, rng)
+                self._pool_count += rng.size
+                return
+            before += entry.size
+        raise LocalProtocolError(
+            f"[{rng.start}, {rng.stop}) of epoch {self.epoch} is not the untrained end of a "
+            f"range queued for rank {rank}",
+            rank=rank,
+        )
+
     # -- progress -------------------------------------------------------------------------------
 
     def advance(self, rank: int, steps: int = 1) -> None:

@@ -71,6 +71,7 @@ from flodl.wire.frames import (
     Intent,
     LrUpdate,
     Metrics,
+    PartitionRevoked,
     RankExited,
     RankFrame,
     Reject,
@@ -618,6 +619,10 @@ class Coordinator:
                     self.callbacks.observe_epoch_fn(rank, frame.elapsed_ms)
                 case ResourceSample():
                     out.append(Record(self.paths[rank], "resource", frame.model_dump()))
+                case PartitionRevoked():
+                    training = self.phase is RunPhase.TRAINING
+                    self.dispatch.on_revoked(frame, out, redistribute=training)
+                    self._maybe_trigger(now, out)
                 case Exiting():
                     self._on_exiting(rank, now, out)
                 case _:
@@ -651,7 +656,7 @@ class Coordinator:
         self.last_progress_at = now
         try:
             self._finalize(now, out)
-            self.admission.caught_up(now, out)
+            self.admission.caught_up(now, out, training=self.phase is RunPhase.TRAINING)
         finally:
             self.cycle.finish()  # never fold a round twice, even if finalizing failed
         fold: dict[int, EpochPlan] = {}

@@ -7,7 +7,8 @@ production rank reacts to every frame.
 
 * :meth:`RankProtocol.receive` applies one frame and returns the work it asks for at once
   (:class:`RunEval`, :class:`RunCheckpoint`, :class:`SaveBundle`, :class:`RunEpochFn`,
-  :class:`Reform`, :class:`PeerDead`, :class:`Stop`);
+  :class:`Reform`, :class:`PeerDead`, :class:`Stop`, and :class:`Answer`: frames to send now,
+  e.g. the ``partition_revoked`` reply to a ``revoke_partition``);
 * :meth:`RankProtocol.next_action` says what to do at a step boundary: :class:`Broadcast` (the
   initial state exchange), :class:`Reduce` (enter a cycle), :class:`Train` (the next batch of
   the oldest slice), :class:`Wait` (block for a frame) or :class:`Stop`;
@@ -41,7 +42,10 @@ from flodl.wire.frames import (
     LrUpdate,
     Metrics,
     NewSession,
+    PartitionRevoked,
+    RankFrame,
     RequestParams,
+    RevokePartition,
     SaveConsensusModel,
     SetEpochCallbackRole,
     SetGlobalStep,
@@ -71,6 +75,7 @@ __all__ = [
     "RunEpochFn",
     "Reform",
     "PeerDead",
+    "Answer",
 ]
 
 
@@ -186,6 +191,13 @@ class PeerDead:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """Frames to send to the coordinator now, in order."""
+
+    frames: tuple[RankFrame, ...]
+
+
 Action = (
     Broadcast
     | Reduce
@@ -198,6 +210,7 @@ Action = (
     | RunEpochFn
     | Reform
     | PeerDead
+    | Answer
 )
 
 
@@ -303,6 +316,8 @@ class RankProtocol:
             ):
                 self.session = s
                 return [Reform(s, prefix, nr, nw, tuple(members))]
+            case RevokePartition():
+                return [Answer(self._revoke(frame))]
             case DeclareDead(rank=r, reason=why):
                 return [PeerDead(r, why)]
             case Shutdown():
@@ -330,6 +345,36 @@ class RankProtocol:
 
     def _enqueue(self, plan: EpochPlan) -> None:
         self.queue.append(Slice(plan.epoch, plan.partition_offset, plan.partition_size))
+
+    def _revoke(self, frame: RevokePartition) -> tuple[RankFrame, ...]:
+        """Drop the part of the asked range this rank has not started (frames apply at a step
+        boundary, so nothing is half-trained): the range is the end of one queued slice, which
+        is cut short; a slice it empties is gone, and one it completes sends its ``metrics``
+        as if its last batch had just been trained."""
+        epoch, start = frame.epoch, frame.partition_offset
+        stop = start + frame.partition_size
+        out: list[RankFrame] = []
+        dropped = 0
+        for i, sl in enumerate(self.queue):
+            if sl.epoch == epoch and sl.offset + sl.size == stop and sl.offset <= start:
+                cut = max(start, sl.offset + sl.pos)
+                dropped = stop - cut
+                sl.size = cut - sl.offset
+                if sl.pos >= sl.size:  # nothing of it left to train
+                    del self.queue[i]
+                    if sl.pos > 0:  # (only the head is started)
+                        out.append(self._slice_metrics(sl.epoch))
+                break
+        out.append(
+            PartitionRevoked(
+                rank=self.rank,
+                epoch=epoch,
+                partition_offset=frame.partition_offset,
+                partition_size=frame.partition_size,
+                revoked_size=dropped,
+            )
+        )
+        return tuple(out)
 
     # ------------------------------------------------------------------ actions out
     def next_action(self) -> Broadcast | Reduce | Train | Wait | Stop:
@@ -391,11 +436,15 @@ class RankProtocol:
         if head.pos < head.size:
             return batch, None
         self.queue.popleft()
+        return batch, self._slice_metrics(head.epoch)
+
+    def _slice_metrics(self, epoch: int) -> Metrics:
+        """The ``metrics`` frame of the slice just finished (its sums start over)."""
         st, bs = self.sums, self.batch_size
         busy = st.compute_ms + st.data_ms
         metrics = Metrics(
             rank=self.rank,
-            epoch=head.epoch,
+            epoch=epoch,
             avg_loss=st.loss_sum / max(1, st.batches),
             batches_processed=st.batches,
             samples_processed=st.batches * bs,
@@ -406,7 +455,7 @@ class RankProtocol:
             scalars={k: (v[0], int(v[1])) for k, v in sorted(st.scalars.items())[:256]},
         )
         self.sums = StepSums()
-        return batch, metrics
+        return metrics
 
     def begin_reduce(self, cycle: int) -> tuple[SnapshotReady, int]:
         """Enter cycle ``cycle``: its ``snapshot_ready`` frame and the window's step count (the

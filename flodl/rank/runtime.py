@@ -45,6 +45,7 @@ from flodl.outer import OuterStep
 from flodl.rank.bridge import RankBridge
 from flodl.rank.collectives import divergence
 from flodl.rank.protocol import (
+    Answer,
     PeerDead,
     RankProtocol,
     Reduce,
@@ -391,6 +392,9 @@ class RankLoop:
                     self._run_epoch_fn(epoch)
                 case Reform(store_prefix=prefix, new_rank=nr, new_world_size=nw):
                     self._reform(prefix, nr, nw)
+                case Answer(frames=frames):
+                    for reply in frames:
+                        self._send(reply)
                 case PeerDead(rank=r, reason=why):
                     logger.info("rank %d: peer %d declared dead (%s)", self.spec.rank, r, why)
                 case Stop(save_reason=reason, detail=detail):

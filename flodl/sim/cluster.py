@@ -56,6 +56,7 @@ from flodl.coord.resume import ResumeState
 from flodl.coord.rounds import RoundBook
 from flodl.errors import InvariantViolation
 from flodl.rank.protocol import (
+    Answer,
     Broadcast,
     RankProtocol,
     Reduce,
@@ -447,6 +448,9 @@ class SimCluster:
                 self._push(self.now + self.epoch_fn_s, "callback_done", (r.rank, epoch))
             case Reform(ranks=members):
                 r.members = members
+            case Answer(frames=frames):
+                for reply in frames:
+                    self._to_coord(reply)
             case _:
                 pass
 

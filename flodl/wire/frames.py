@@ -13,13 +13,13 @@ Directions (docs/design.md §1, in snake_case):
 * rank → coordinator: :class:`Hello` (first frame on every connection), :class:`Heartbeat`,
   :class:`Batch`, :class:`SyncAck`, :class:`SnapshotReady`, :class:`Metrics`, :class:`LrUpdate`,
   :class:`Intent`, :class:`EvalResult`, :class:`CheckpointResult`, :class:`EpochFnElapsed`,
-  :class:`ResourceSample`, :class:`Exiting`, and from a launcher's supervisor connection
-  :class:`RankExited`.
+  :class:`ResourceSample`, :class:`PartitionRevoked`, :class:`Exiting`, and from a launcher's
+  supervisor connection :class:`RankExited`.
 * coordinator → rank: :class:`Accept` / :class:`Reject` (handshake reply),
   :class:`CoordHeartbeat`, :class:`StartEpoch`, :class:`ExtendPartition`,
-  :class:`RequestParams`, :class:`Update`, :class:`SyncNow`, :class:`Throttle`,
-  :class:`SetGlobalStep`, :class:`DeclareDead`, :class:`NewSession`, :class:`Checkpoint`,
-  :class:`SaveConsensusModel`, :class:`ExecuteEval`, :class:`ArmConsensusEval`,
+  :class:`RevokePartition`, :class:`RequestParams`, :class:`Update`, :class:`SyncNow`,
+  :class:`Throttle`, :class:`SetGlobalStep`, :class:`DeclareDead`, :class:`NewSession`,
+  :class:`Checkpoint`, :class:`SaveConsensusModel`, :class:`ExecuteEval`, :class:`ArmConsensusEval`,
   :class:`SetEpochCallbackRole`, :class:`EpochAggregated`, :class:`EvalBroadcast`,
   :class:`StageAdvisory`, :class:`Shutdown`, :class:`ShutdownWithSave`.
 
@@ -64,6 +64,8 @@ __all__ = [
     "CoordHeartbeat",
     "StartEpoch",
     "ExtendPartition",
+    "RevokePartition",
+    "PartitionRevoked",
     "RequestParams",
     "Update",
     "SyncNow",
@@ -92,9 +94,10 @@ __all__ = [
     "COORD_FRAME_KINDS",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Version of the control protocol, in every ``hello`` and in the server's challenge; bumped on
-any incompatible change of a frame, of the codec or of the handshake. 3: a
+any incompatible change of a frame, of the codec or of the handshake. 4: ``revoke_partition`` /
+``partition_revoked`` (a whole-epoch partition re-split for a rank that joins mid-epoch); 3: a
 per-connection key from nonces both ways (:mod:`flodl.wire.control_hello`); 2 keyed frames with
 the secret itself; see docs/design.md §1."""
 
@@ -334,6 +337,19 @@ class ResourceSample(_Frame):
     vram_total: Count | None = None
 
 
+class PartitionRevoked(_Frame):
+    """The answer to :class:`RevokePartition` (it echoes the range): the last
+    ``revoked_size`` samples of it were dropped untrained (0: the rank had started all of it,
+    or no longer held it); the rest stays this rank's."""
+
+    kind: Literal["partition_revoked"] = "partition_revoked"
+    rank: RankId
+    epoch: Count
+    partition_offset: Count
+    partition_size: Count
+    revoked_size: Count
+
+
 class Exiting(_Frame):
     """Sent only on clean completion: a latch, so a finished rank never counts as a death."""
 
@@ -397,6 +413,18 @@ class ExtendPartition(_Frame):
     """Append a dead rank's untrained slice to the in-flight partition (non-progressive)."""
 
     kind: Literal["extend_partition"] = "extend_partition"
+    epoch: Count
+    partition_offset: Count
+    partition_size: Count
+
+
+class RevokePartition(_Frame):
+    """Give back the untrained end of a queued slice (non-progressive, a rank joined
+    mid-epoch): ``[partition_offset, partition_offset + partition_size)`` is the end of one
+    slice this rank was given; the rank drops the part of it it has not started and says how
+    much in :class:`PartitionRevoked`."""
+
+    kind: Literal["revoke_partition"] = "revoke_partition"
     epoch: Count
     partition_offset: Count
     partition_size: Count
@@ -554,6 +582,7 @@ RankFrame = (
     | BundleSaved
     | EpochFnElapsed
     | ResourceSample
+    | PartitionRevoked
     | Exiting
     | RankExited
 )
@@ -563,6 +592,7 @@ CoordFrame = (
     | CoordHeartbeat
     | StartEpoch
     | ExtendPartition
+    | RevokePartition
     | RequestParams
     | Update
     | SyncNow

@@ -82,6 +82,17 @@ def test_a_killed_rank_is_respawned_rejoins_and_trains_to_the_end(
     assert set(counts) == set(range(N)) and min(counts.values()) >= EPOCHS
     # the second incarnation trained (the first one logged 9 batches before its kill)
     assert len(rank_batches(tmp_path / "a", 2)) > 9 + 20
+    if mode.endswith("_sync"):
+        # whole-epoch partitions: the running epoch is re-split at its catch-up, and it is
+        # given the untrained end of the others' queues (what a donor started when the
+        # request reached it stays its own: the frame reaches it well within 10 of its steps)
+        [asked] = [r["data"] for r in root if r["kind"] == "repartition"]
+        [given] = [r["data"] for r in root if r["kind"] == "repartitioned"]
+        assert asked["ranks"] == [0, 1, 2] and asked["epoch"] == given["epoch"]
+        owed = dict(asked["owed"])
+        if asked["untrained"] >= 30:
+            assert {r for r, _ in asked["asked"]} == {0, 1} and owed[2] >= 10, asked
+            assert 0 < dict(given["given"]).get(2, 0) <= owed[2], (asked, given)
     if mode in PARITY_MODES:
         base = uninterrupted(tmp_path, common, 3)
         acc = evals(out.stdout)[-1][1]

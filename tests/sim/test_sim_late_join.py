@@ -29,6 +29,10 @@ def test_a_third_rank_joining_mid_epoch_gets_a_share_and_no_sample_is_lost(mode:
     assert sum(tr.samples) == 3 * 800 * BS
     last = tr.epochs[-1].per_rank_samples
     assert all(n > 0 for n in last), last  # the last epoch is shared by the three
+    # it came during epoch 0 and trained a share of it: chunks from the pool, or, with
+    # whole-epoch partitions (Sync), what the others gave back of theirs
+    first = tr.epochs[0].per_rank_samples
+    assert first[2] >= 0.4 * min(first[:2]), first
 
 
 @pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_cadence", "cpu_async"])

@@ -158,6 +158,28 @@ def test_forfeit_returns_exactly_the_uncommitted_work() -> None:
     assert covered == list(range(50))
 
 
+def test_release_gives_back_only_the_untrained_end_of_a_queued_range() -> None:
+    work = EpochWork(0, 30, 2)
+    work.assign(0, R(0, 10))
+    work.assign(0, R(20, 30))
+    work.advance(0, 4)
+    work.commit_upto(0, 2)  # rank 0: committed [0, 2), done [2, 4), untrained [4, 10), [20, 30)
+    work.release(0, R(25, 30))
+    work.release(0, R(7, 10))
+    assert work.outstanding(0) == [R(4, 7), R(20, 25)]
+    assert work.unassigned_ranges() == [R(7, 20), R(25, 30)]
+    assert (work.pending(0), work.in_flight(0)) == (10, 8)  # [2, 4) done, 8 untrained
+    for bad in (R(3, 7), R(20, 24), R(8, 10), R(26, 30)):  # a done batch; not an end; not held
+        with pytest.raises(LocalProtocolError):
+            work.release(0, bad)
+    assert work.outstanding(0) == [R(4, 7), R(20, 25)]  # the refusals changed nothing
+    work.release(0, R(4, 7))  # every untrained batch of a range: the range is gone
+    assert work.outstanding(0) == [R(20, 25)]
+    work.assign(1, R(4, 20))
+    work.assign(1, R(25, 30))
+    work.check_exactly_once()
+
+
 def test_resume_from_uncovered_ranges() -> None:
     uncovered = [R(40, 60), R(10, 20), R(15, 25)]  # unsorted, overlapping: merged
     work = EpochWork(3, 100, 2, uncovered=uncovered)
@@ -242,7 +264,8 @@ def test_large_epoch_operations_are_range_based() -> None:
 
 
 class LedgerMachine(RuleBasedStateMachine):
-    """Random take/assign/rollback/advance/commit/forfeit against an explicit per-batch model."""
+    """Random take/assign/rollback/release/advance/commit/forfeit against an explicit
+    per-batch model."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -355,6 +378,32 @@ class LedgerMachine(RuleBasedStateMachine):
         self.committed[rank].extend(self.queue[rank][:upto])
         del self.queue[rank][:upto]
         self.done[rank] -= upto
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        """The rank gives back the untrained end of its last queued range (a revoke); asking
+        for one batch more than is untrained there is refused and changes nothing."""
+        rank = self._rank(data)
+        tail = self.work.outstanding(rank)
+        if not tail:
+            queue = self.queue[rank]
+            if queue:  # all done: even its last batch cannot be given back
+                with pytest.raises(LocalProtocolError):
+                    self.work.release(rank, R(queue[-1], queue[-1] + 1))
+            return
+        last = tail[-1]
+        k = data.draw(st.integers(1, last.size + 1))
+        if k > last.size:
+            if last.start > 0 and last.start - 1 in self.queue[rank]:
+                with pytest.raises(LocalProtocolError):
+                    self.work.release(rank, R(last.start - 1, last.stop))
+            return
+        self.work.release(rank, R(last.stop - k, last.stop))
+        ids = batches_of([R(last.stop - k, last.stop)])
+        assert self.queue[rank][-k:] == ids
+        del self.queue[rank][-k:]
+        self.pool |= set(ids)
+        self.last_grant[rank] = None
 
     @precondition(lambda self: sum(self.alive) > 1)
     @rule(data=st.data())

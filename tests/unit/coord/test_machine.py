@@ -51,9 +51,11 @@ from flodl.wire.frames import (
     Hello,
     Metrics,
     NewSession,
+    PartitionRevoked,
     RankExited,
     Reject,
     RequestParams,
+    RevokePartition,
     SaveConsensusModel,
     SetEpochCallbackRole,
     SetGlobalStep,
@@ -117,7 +119,8 @@ class Cluster:
         self.cpu = config.elche.backend == "cpu"
         self.trace: list[Any] = []  # inputs and effects, in order
         self.inbox: list[deque[Any]] = [deque() for _ in range(w)]
-        self.work: list[deque[list[int]]] = [deque() for _ in range(w)]  # [epoch, left, done]
+        # [epoch, left, done, end batch] per slice
+        self.work: list[deque[list[int]]] = [deque() for _ in range(w)]
         self.step = [0] * w
         self.wanted: list[int | None] = [None] * w
         self.in_reduce: list[int | None] = [None] * w
@@ -192,9 +195,28 @@ class Cluster:
         match frame:
             case StartEpoch(plan=plan) | Update(next_plan=EpochPlan() as plan):
                 self.waiting[r] = False
-                self.work[r].append([plan.epoch, plan.partition_size // BS, 0])
-            case ExtendPartition(epoch=epoch, partition_size=size):
-                self.work[r].append([epoch, size // BS, 0])
+                end = (plan.partition_offset + plan.partition_size) // BS
+                self.work[r].append([plan.epoch, plan.partition_size // BS, 0, end])
+            case ExtendPartition(epoch=epoch, partition_offset=offset, partition_size=size):
+                self.work[r].append([epoch, size // BS, 0, (offset + size) // BS])
+            case RevokePartition(epoch=epoch, partition_offset=offset, partition_size=size):
+                # the untrained part of a slice is its last ``left`` batches
+                dropped = 0
+                for entry in self.work[r]:
+                    if entry[0] == epoch and entry[3] == (offset + size) // BS:
+                        dropped = min(entry[1], size // BS)
+                        entry[1] -= dropped
+                        entry[3] -= dropped
+                        break
+                self.feed(
+                    PartitionRevoked(
+                        rank=r,
+                        epoch=epoch,
+                        partition_offset=offset,
+                        partition_size=size,
+                        revoked_size=dropped * BS,
+                    )
+                )
             case Update():
                 self.waiting[r] = False
             case RequestParams(cycle=c) | SyncNow(cycle=c):
@@ -1027,6 +1049,73 @@ def test_dead_rank_partition_is_split_among_survivors(mode: str) -> None:
     coverage = c.coord.coverage(0)
     assert coverage is not None and coverage.ok and coverage.committed == 30
     assert of(c.trace, RunOver) == [RunOver(ok=True, reason="run complete", save_reason=None)]
+
+
+def rebalanced(mode: str) -> tuple[Cluster, int]:
+    """3 ranks, 300 batches an epoch (partitions of 100); rank 2 dies early in epoch 0 and
+    comes back mid-epoch. Returns the cluster, run until rank 2 holds the consensus, and the
+    trace index of its ``rank_rejoined`` record."""
+    c = joined(mode, 3, dataset_len=9600)
+    c.run(until=lambda: c.coord.sync_rounds >= 3)
+    c.kill(2)
+    c.run(until=lambda: c.coord.sync_rounds >= 20)
+    revive(c, 2)
+    c.run(until=lambda: any(isinstance(e, Record) and e.kind == "rank_rejoined" for e in c.trace))
+    return c, index(c.trace, lambda e: isinstance(e, Record) and e.kind == "rank_rejoined")
+
+
+@pytest.mark.parametrize("mode", ["cpu_sync", "nccl_sync"])
+def test_a_rank_rejoining_mid_epoch_gets_a_share_of_the_open_partitions(mode: str) -> None:
+    c, at = rebalanced(mode)
+    work = c.coord.dispatch.works[0]
+    untrained = [work.in_flight(r) for r in range(3)]
+    assert untrained[2] == 0 and min(untrained[:2]) > 100  # the survivors hold all of it
+    c.run(until=lambda: not c.coord.dispatch.revoking and not c.coord.dispatch.wants)
+    after = c.trace[at:]
+    revokes = sends(after, RevokePartition)
+    assert {r for r, _ in revokes} == {0, 1}  # each gives back the end of its queue
+    answers = [e for e in after if isinstance(e, PartitionRevoked)]
+    assert len(answers) == len(revokes)
+    given = sum(f.partition_size for r, f in sends(after, ExtendPartition) if r == 2) // BS
+    assert given == sum(a.revoked_size for a in answers) // BS
+    assert abs(given - sum(untrained) / 3) <= 2  # Sync splits equally
+    c.run()
+    assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
+    for epoch in range(c.config.total_epochs):
+        cov = c.coord.coverage(epoch)
+        assert cov is not None and cov.ok, (epoch, cov)
+    assert c.coord.coverage(0).committed == 300  # type: ignore[union-attr]
+
+
+def test_a_donor_that_dies_before_it_answers_forfeits_the_asked_range_too() -> None:
+    c, at = rebalanced("cpu_sync")
+    assert [r for r, _ in sends(c.trace[at:], RevokePartition)] == [0, 1]
+    c.kill(0)  # its revoke is still in its inbox
+    assert not [k for k in c.coord.dispatch.revoking if k[0] == 0]
+    c.run()
+    assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
+    for epoch in range(c.config.total_epochs):
+        cov = c.coord.coverage(epoch)
+        assert cov is not None and cov.ok, (epoch, cov)
+
+
+@pytest.mark.parametrize(
+    ("offset", "size", "revoked"),
+    [(0, 64, 0), (640, 64, 96)],  # a revoke never sent; one that drops more than asked
+)
+def test_an_answer_to_a_revoke_not_asked_for_is_a_protocol_violation(
+    offset: int, size: int, revoked: int
+) -> None:
+    c = joined("cpu_sync", 2, dataset_len=1280)
+    c.run(until=lambda: c.coord.sync_rounds >= 1)
+    if revoked:
+        c.coord.dispatch.revoking[(0, 0)] = [BatchRange(offset // BS, (offset + size) // BS)]
+    frame = PartitionRevoked(
+        rank=0, epoch=0, partition_offset=offset, partition_size=size, revoked_size=revoked
+    )
+    out = c.feed(frame)
+    assert [e.rank for e in of(out, RankDead)] == [0]
+    assert "protocol violation" in of(out, RankDead)[0].reason
 
 
 # =============================================================================================

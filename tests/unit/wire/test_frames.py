@@ -52,11 +52,13 @@ from flodl.wire.frames import (
     LrUpdate,
     Metrics,
     NewSession,
+    PartitionRevoked,
     RankExited,
     RankFrame,
     Reject,
     RequestParams,
     ResourceSample,
+    RevokePartition,
     SaveConsensusModel,
     SetEpochCallbackRole,
     SetGlobalStep,
@@ -177,6 +179,9 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
         vram_allocated=20 << 30,
         vram_total=80 << 30,
     ),
+    "partition_revoked": lambda: PartitionRevoked(
+        rank=2, epoch=1, partition_offset=640, partition_size=320, revoked_size=192
+    ),
     "exiting": lambda: Exiting(rank=6),
     "rank_exited": lambda: RankExited(rank=3, exit_code=-9),
     # coordinator -> rank
@@ -199,6 +204,9 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
     ),
     "extend_partition": lambda: ExtendPartition(
         epoch=2, partition_offset=1_500, partition_size=250
+    ),
+    "revoke_partition": lambda: RevokePartition(
+        epoch=2, partition_offset=1_600, partition_size=150
     ),
     "request_params": lambda: RequestParams(cycle=11),
     "update": lambda: Update(
