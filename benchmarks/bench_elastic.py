@@ -26,8 +26,10 @@ averaging cycle at weight 0 and then gets work. Measured from the record log:
   respawned rank stamps these), → hello, → consensus, → first fold.
 
 The sync modes hand out work as whole-epoch partitions: a rank that rejoins mid-epoch holds
-the consensus after one cycle but gets work only when the next epoch opens, so their
-``t_fold`` is the rest of the epoch (reported as ``consensus→next epoch``).
+the consensus after one cycle, and the running epoch is then re-split (the others give back
+the untrained end of their queues, docs/design.md §2 "Rejoin"), so it trains that epoch's
+rest with them; ``consensus→next epoch`` (the time to the next epoch boundary) is reported
+for comparison: before the re-split, that was when such a rank got work.
 
 torchft 0.2.0 (same run, same task, data, batch size, 1 thread per process, no slowdown): 3
 replica groups of one process each run ``LocalSGD(sync_every=10)`` with one lighthouse
@@ -318,7 +320,7 @@ def analyse_flodl(
         "throughput_while_down": down,
         "syncs_while_down": _syncs_at(reports, hello_ms) - _syncs_at(reports, t_kill_ms),
         "syncs_at_fold": fold["data"].get("syncs"),
-        # whole-epoch partitions (the sync modes) hand a rejoined rank work at the next epoch
+        # the next epoch boundary (where whole-epoch partitions gave work before the re-split)
         "consensus_to_next_epoch_s": (
             None if boundary is None else (boundary - consensus_ms) / 1000.0
         ),
@@ -791,7 +793,8 @@ TORCHFT_FIELDS = (
 
 def _dispatch(mode: str) -> str:
     """How the mode hands out work: a rejoined rank of a whole-epoch-partition mode (the
-    sync modes) gets work when the next epoch opens; a chunk mode's at its next chunk."""
+    sync modes) gets a share of the running partitions (a re-split); a chunk mode's its
+    next chunk."""
     from flodl import ElCheConfig
 
     return "chunks" if ElCheConfig.preset(mode).traits.progressive else "epoch partitions"
