@@ -98,6 +98,7 @@ class Collective:
         self._rank = 0
         self._world_size = 0
         self._flat: dict[str, Tensor] = {}  # reused flat reduce buffers, by purpose
+        self._members: tuple[int, ...] = ()  # the session's global ranks, ascending
 
     # ------------------------------------------------------------------ session
     @property
@@ -146,6 +147,7 @@ class Collective:
         rank: int,
         world_size: int,
         superseded: Callable[[], bool] | None = None,
+        members: Sequence[int] | None = None,
     ) -> None:
         """(Re)create the process group for one session, destroying the previous one first.
 
@@ -155,6 +157,13 @@ class Collective:
         collective is then a local no-op. While the members gather, ``superseded()`` is asked
         every 50 ms: once it says a newer session was announced (a member died meanwhile, so
         this one can never gather), forming gives up at once instead of at the deadline.
+
+        ``members`` are the session's global ranks, ascending (``NewSession.ranks``; default
+        ``0..world_size-1``). When they are the previous session's less some (an eviction)
+        and the backend can shrink a group (NCCL with ``torch.distributed.shrink_group``),
+        the group is shrunk instead of created anew; every member then says whether its
+        shrink worked, and unless all of them did, all create the group anew (so no member
+        keeps a group the others left).
 
         Raises:
             ValueError: empty prefix, ``world_size < 1``, or ``rank`` outside ``0..world_size-1``.
@@ -169,9 +178,18 @@ class Collective:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
+        new_members = tuple(members) if members is not None else tuple(range(world_size))
+        if len(new_members) != world_size:
+            raise ValueError(f"{len(new_members)} members given for a session of {world_size}")
+        old_members = self._members
+        if world_size > 1 and self._shrinkable(old_members, new_members):
+            if self._shrink(prefix, rank, world_size, old_members, new_members, superseded):
+                return
+            prefix = f"{prefix}/reform"  # every member falls back together
         self._teardown_group()
         self._formed = False
         self._broken = False
+        self._members = new_members
         self._prefix, self._rank, self._world_size = prefix, rank, world_size
         if world_size > 1:
             if not self._owns_group and dist.is_initialized():
@@ -213,6 +231,69 @@ class Collective:
             world_size,
             self.backend if world_size > 1 else "local",
         )
+
+    def _shrinkable(self, old: tuple[int, ...], new: tuple[int, ...]) -> bool:
+        """The new session is the current group less some members, and the backend can
+        shrink it."""
+        if not (self._owns_group and self._formed and dist.is_initialized()):
+            return False
+        if not set(new) < set(old):
+            return False
+        return shrink_supported(self._device)  # (NCCL can; Gloo cannot)
+
+    def _shrink(
+        self,
+        prefix: str,
+        rank: int,
+        world_size: int,
+        old: tuple[int, ...],
+        new: tuple[int, ...],
+        superseded: Callable[[], bool] | None,
+    ) -> bool:
+        """Shrink the group to ``new`` (docs/design.md §2, "Rejoin": eviction by
+        ``shrink_group`` on CUDA). True when every member's shrink worked; False (the group
+        torn down) when any failed: the caller then forms the session anew.
+
+        Raises:
+            CollectiveFailed: the members did not gather, or their answers did not arrive.
+        """
+        store = PrefixStore(prefix, self._client())
+        try:
+            self._await_members(store, prefix, rank, world_size, superseded)
+        except CollectiveFailed:
+            self._broken = True  # the next form starts from this group again, aborting it
+            raise
+        ok = False
+        try:
+            excluded = [i for i, g in enumerate(old) if g not in new]
+            c10d: Any = dist.distributed_c10d
+            flags = c10d.SHRINK_ABORT if self._broken else c10d.SHRINK_DEFAULT
+            dist.shrink_group(excluded, shrink_flags=flags)
+            ok = dist.get_rank() == rank and dist.get_world_size() == world_size
+        except (RuntimeError, TypeError, ValueError) as exc:
+            logger.warning("shrinking to session %r failed (%s); forming it anew", prefix, exc)
+        keys = [f"flodl_shrunk/{r}" for r in range(world_size)]
+        try:
+            store.set(keys[rank], "1" if ok else "0")
+            store.wait(keys, self._timeout)
+            all_ok = all(store.get(k) == b"1" for k in keys)
+        except RuntimeError as exc:
+            self._broken = True
+            self._teardown_group()
+            raise CollectiveFailed(
+                f"shrinking to session {prefix!r}: the members' answers did not arrive ({exc})"
+            ) from exc
+        if not all_ok:
+            self._broken = True  # (an abort, not a graceful finalise)
+            self._teardown_group()
+            return False
+        self._formed, self._broken = True, False
+        self._members = new
+        self._prefix, self._rank, self._world_size = prefix, rank, world_size
+        logger.info(
+            "collective session %r formed by shrinking: rank %d of %d", prefix, rank, world_size
+        )
+        return True
 
     def destroy(self) -> None:
         """Leave the session and close the store client. Idempotent; :meth:`form` may follow."""
@@ -451,6 +532,18 @@ class Collective:
                 dist.destroy_process_group()
         except RuntimeError:
             logger.debug("tearing down session %r failed", self._prefix, exc_info=True)
+
+
+def shrink_supported(device: torch.device) -> bool:
+    """Whether the default group's backend on ``device`` can shrink (NCCL ≥ 2.27 in a torch
+    with ``torch.distributed.shrink_group``; never Gloo)."""
+    if not hasattr(dist, "shrink_group") or not dist.is_initialized():
+        return False
+    try:
+        backend = dist.group.WORLD._get_backend(device)  # type: ignore[union-attr]
+    except RuntimeError:
+        return False
+    return bool(getattr(backend, "supports_shrinking", False))
 
 
 def _reset_group_counter() -> None:

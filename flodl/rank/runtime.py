@@ -32,7 +32,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -322,7 +322,12 @@ class RankLoop:
                 timeout_s=self.timeouts.collective_s,
             )
             if formed is not None:
-                self.collective.form(formed.store_prefix, formed.new_rank, formed.new_world_size)
+                self.collective.form(
+                    formed.store_prefix,
+                    formed.new_rank,
+                    formed.new_world_size,
+                    members=formed.ranks,
+                )
             elif accept.incarnation == 0:
                 self.collective.form(f"{spec.run_id}/s{accept.session}", spec.rank, spec.world_size)
             # else: a rank joining the running run forms the session its new_session announces
@@ -390,8 +395,8 @@ class RankLoop:
                     self._save_bundle(save)
                 case RunEpochFn(epoch=epoch):
                     self._run_epoch_fn(epoch)
-                case Reform(store_prefix=prefix, new_rank=nr, new_world_size=nw):
-                    self._reform(prefix, nr, nw)
+                case Reform(store_prefix=prefix, new_rank=nr, new_world_size=nw, ranks=members):
+                    self._reform(prefix, nr, nw, members)
                 case Answer(frames=frames):
                     for reply in frames:
                         self._send(reply)
@@ -400,7 +405,7 @@ class RankLoop:
                 case Stop(save_reason=reason, detail=detail):
                     raise RunStopped(reason, detail)
 
-    def _reform(self, prefix: str, rank: int, world_size: int) -> None:
+    def _reform(self, prefix: str, rank: int, world_size: int, members: Sequence[int]) -> None:
         """Form the announced session; if it cannot gather (a member died meanwhile), hold
         everything but the next ``new_session``, which the coordinator sends for that death."""
         if self.collective is None:
@@ -408,7 +413,9 @@ class RankLoop:
         if self.chaos is not None:
             self.chaos.in_reform()
         try:
-            self.collective.form(prefix, rank, world_size, superseded=self._newer_session)
+            self.collective.form(
+                prefix, rank, world_size, superseded=self._newer_session, members=members or None
+            )
         except CollectiveFailed as exc:
             logger.warning("rank %d: %s; waiting for the next session", self.spec.rank, exc)
             self.protocol.collective_failed()

@@ -141,6 +141,55 @@ def _step_unformed(s: _State) -> dict[str, Any]:
     return {"formed": s.coll.formed, "raises": None}
 
 
+def _step_form_members(s: _State, prefix: str, members: list[int]) -> dict[str, Any]:
+    """Form the session of global ranks ``members`` (NewSession.ranks)."""
+    s.coll.form(prefix, members.index(s.rank), len(members), members=members)
+    return {"prefix": s.coll.prefix, "rank": s.coll.rank, "world_size": s.coll.world_size}
+
+
+def _step_fail(s: _State) -> bool:
+    """A collective after a peer's death fails (the session is then broken)."""
+    try:
+        s.coll.all_reduce_sum(torch.zeros(1))
+    except CollectiveFailed:
+        return s.coll.broken
+    return False
+
+
+def _step_shrinkable(s: _State, how: str) -> None:
+    """Make this rank's backend report that it can shrink, as NCCL does, and choose what
+    ``shrink_group`` does: ``real`` is torch's (on Gloo it raises TypeError, naming the
+    backend); ``works`` and ``breaks`` stand in for NCCL's (the survivors' group, renumbered,
+    becomes the default group), ``breaks`` then raising as a failed shrink would."""
+    import torch.distributed as dist
+    from torch.distributed import PrefixStore  # type: ignore[attr-defined]
+
+    from flodl.rank import collectives
+
+    collectives.shrink_supported = lambda device: True
+    if how == "real":
+        return
+    base = s.coll._client()  # the coordinator's store, as NCCL's shrink would use its own
+
+    def shrink_group(ranks_to_exclude: list[int], **_: Any) -> Any:
+        me, size = dist.get_rank(), dist.get_world_size()
+        new_rank = me - sum(1 for r in ranks_to_exclude if r < me)
+        tag = f"fake-shrink/{s.coll.prefix}/{size}"
+        dist.destroy_process_group()
+        collectives._reset_group_counter()
+        dist.init_process_group(
+            "gloo",
+            store=PrefixStore(tag, base),
+            rank=new_rank,
+            world_size=size - len(ranks_to_exclude),
+        )
+        if how == "breaks":
+            raise RuntimeError("simulated ncclCommShrink failure")
+        return dist.group.WORLD
+
+    dist.shrink_group = shrink_group  # type: ignore[assignment]
+
+
 def _step_exit(s: _State) -> None:
     os._exit(0)  # die without leaving the group: the peers' sockets see EOF
 
@@ -155,6 +204,9 @@ STEPS: dict[str, Callable[..., Any]] = {
     "redo": _step_redo,
     "unformed": _step_unformed,
     "exit": _step_exit,
+    "form_members": _step_form_members,
+    "fail": _step_fail,
+    "shrinkable": _step_shrinkable,
 }
 
 
@@ -415,6 +467,36 @@ def test_a_superseded_session_stops_gathering_when_told(store: StoreHost) -> Non
             _ = collective.rank  # no session was formed
     finally:
         collective.destroy()
+
+
+@pytest.mark.timeout(180)
+def test_an_eviction_shrinks_the_group_only_when_every_survivor_could(store: StoreHost) -> None:
+    """docs/design.md §2, "Rejoin": where the backend can shrink a group (NCCL), an eviction
+    shrinks it; every survivor says whether its shrink worked, and unless all did, all form
+    the session anew under one prefix. Here on Gloo: torch's own ``shrink_group`` (which
+    Gloo refuses), then one that fails on one survivor only, then one that works."""
+    cohort = Cohort(store.port, 5, timeout_s=3.0)
+    try:
+        members = [0, 1, 2, 3, 4]
+        cohort.call(members, "unformed")  # every child is up (the gathers below allow 6 s)
+        answers = cohort.call(members, "form_members", "shrink/s0", members)
+        assert [a["world_size"] for a in answers] == [5] * 5
+        for n, (victim, how) in enumerate([(4, "real"), (3, "breaks"), (2, "works")], start=1):
+            cohort.send(victim, "exit")
+            cohort.procs[victim].join(10.0)
+            members.remove(victim)
+            assert cohort.call(members, "fail") == [True] * len(members)
+            for r in members:  # rank 1 is the one whose shrink breaks
+                cohort.call([r], "shrinkable", "works" if how == "breaks" and r != 1 else how)
+            answers = cohort.call(members, "form_members", f"shrink/s{n}", members)
+            assert [a["rank"] for a in answers] == list(range(len(members)))
+            fell_back = {a["prefix"] for a in answers}
+            expected = f"shrink/s{n}" + ("" if how == "works" else "/reform")
+            assert fell_back == {expected}, (how, answers)
+            total = sum(r + 1.0 for r in members)
+            assert cohort.call(members, "sum") == [total] * len(members)
+    finally:
+        cohort.close()
 
 
 # ---------------------------------------------------------------------- divergence
