@@ -30,7 +30,7 @@ from flodl.sampling import SHUFFLE_BASE_SEED
 from flodl.timeouts import DEFAULT_HEARTBEAT_TIMEOUT_S, Timeouts
 from flodl.wire.frames import EpochMetrics
 
-__all__ = ["TrainerConfig", "coord_config", "monitor_session", "respawn_problem"]
+__all__ = ["TrainerConfig", "coord_config", "monitor_session"]
 
 
 class TrainerConfig(BaseModel):
@@ -132,9 +132,6 @@ class TrainerConfig(BaseModel):
             raise ValueError(
                 f"epoch_callback_policy Rank({policy}) is out of range for {world} rank(s)"
             )
-        problem = respawn_problem(self.respawn, self.elche, self.outer_optimizer)
-        if problem is not None:
-            raise ValueError(problem)
         if self.eval_fn is None and (self.eval_result_fn is not None or self.eval_every):
             raise ValueError("eval_result_fn / eval_every need an eval_fn")
         core = sorted(set(self.scalar_reductions) & set(REDUCTIONS))
@@ -143,18 +140,6 @@ class TrainerConfig(BaseModel):
                 f"scalar_reduction: {core} are framework metrics with fixed reductions"
             )
         return self
-
-
-def respawn_problem(respawn: int, elche: ElCheConfig, outer: OuterConfig) -> str | None:
-    """Why ``respawn`` restarts cannot be honoured (None: they can): in a collective mode the
-    outer optimizer's state lives on every rank, so a respawned rank would have none."""
-    if respawn and not elche.traits.cpu_averaging and not outer.is_identity:
-        return (
-            f"respawn with an outer optimizer ({outer.kind}) needs a CPU-averaging mode "
-            f"(cpu_sync, cpu_cadence, cpu_async): in {elche.mode} its state lives on every "
-            "rank and a respawned rank would have none"
-        )
-    return None
 
 
 def coord_config(

@@ -173,7 +173,9 @@ class Averaging:
                 if self.traits.throttle_at_trigger:
                     out.append(Send(r, Throttle()))
         else:
-            sync: CoordFrame = SyncNow(cycle=number)
+            # a rank awaiting the consensus takes part: it gets the outer state too
+            heal = not self.membership.awaiting.isdisjoint(alive)
+            sync: CoordFrame = SyncNow(cycle=number, heal=heal)
             for r in alive:
                 out.append(Send(r, sync))
 

@@ -45,7 +45,7 @@ from flodl.coord.effects import (
     RunOver,
     WriteMeta,
 )
-from flodl.errors import ConfigError, FlodlError
+from flodl.errors import FlodlError
 from flodl.handle import TrainerHandle, training_stopped
 from flodl.launch.cluster import CLUSTER_ENV_VAR, Cluster, RankSlot
 from flodl.launch.env import (
@@ -72,7 +72,7 @@ from flodl.rank.snapshot import TrainedState
 from flodl.rank.step import TrainJob, timed_callback
 from flodl.service.bundles import BundleWriter, resume_from_bundle
 from flodl.service.coordinator import CoordinatorService
-from flodl.trainer_config import TrainerConfig, coord_config, monitor_session, respawn_problem
+from flodl.trainer_config import TrainerConfig, coord_config, monitor_session
 from flodl.wire.frames import EpochMetrics
 
 __all__ = ["launch"]
@@ -164,9 +164,6 @@ class _Launcher:
     def __init__(self, job: TrainJob, c: TrainerConfig, cluster: Cluster) -> None:
         self.job, self.c, self.cluster = job, c, cluster
         self.respawn = respawn_limit(c.respawn)
-        problem = respawn_problem(self.respawn, c.elche, c.outer_optimizer)
-        if problem is not None:
-            raise ConfigError(problem)
         self.local_names = local_host_names()
         self.all_local = cluster.is_local(self.local_names)
         self.bind_host = "127.0.0.1" if self.all_local else cluster.controller.host

@@ -402,6 +402,27 @@ class Collective:
             _unpack(body, floats)
         return movers
 
+    def share_from_lowest(self, tensors: Sequence[Tensor], holder: bool) -> bool:
+        """Overwrite ``tensors`` on every member with those of the lowest session rank whose
+        ``holder`` is True, bit-exact (a weight-1 / weight-0 average); False, nothing
+        changed, when no member holds them.
+
+        Raises:
+            CollectiveFailed: as every collective (``tensors`` are then untouched).
+        """
+        self._require_formed()
+        if self._world_size == 1:
+            return holder
+        top = torch.tensor(
+            [float(self._world_size - self._rank) if holder else 0.0], device=self._device
+        )
+        self._run("finding the lowest holder", lambda: dist.all_reduce(top, op=dist.ReduceOp.MAX))
+        if top.item() == 0:
+            return False
+        root = self._world_size - int(top.item())
+        self.weighted_average(tensors, 1.0 if self._rank == root else 0.0)
+        return True
+
     def all_reduce_sum(self, t: Tensor) -> None:
         """Sum ``t`` in place over the session (a no-op with one rank).
 

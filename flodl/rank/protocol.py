@@ -123,9 +123,11 @@ class Broadcast:
 
 @dataclass(frozen=True, slots=True)
 class Reduce:
-    """Enter averaging cycle ``cycle`` (call :meth:`RankProtocol.begin_reduce`)."""
+    """Enter averaging cycle ``cycle`` (call :meth:`RankProtocol.begin_reduce`); ``heal``:
+    copy the outer optimizer's state to the members awaiting the consensus as well."""
 
     cycle: int
+    heal: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +255,7 @@ class RankProtocol:
         take the round's result as is (never blend it, as ``cpu_async`` does) and train
         nothing before."""
         self.pending_reduce: int | None = None
+        self.pending_heal = False
         self.waiting_update = False
         self.throttled = False
         self.awaiting_session = False
@@ -298,8 +301,11 @@ class RankProtocol:
             case ExtendPartition(epoch=e, partition_offset=off, partition_size=size):
                 self.queue.append(Slice(e, off, size))
                 self.throttled = False
-            case RequestParams(cycle=c) | SyncNow(cycle=c):
-                self.pending_reduce = c
+            case RequestParams(cycle=c):
+                self.pending_reduce, self.pending_heal = c, False
+                self.throttled = False
+            case SyncNow(cycle=c, heal=heal):
+                self.pending_reduce, self.pending_heal = c, heal
                 self.throttled = False
             case Update(next_plan=plan):
                 self.waiting_update = False
@@ -386,7 +392,7 @@ class RankProtocol:
         if not self.broadcast_done:
             return Broadcast()
         if self.pending_reduce is not None:
-            return Reduce(self.pending_reduce)
+            return Reduce(self.pending_reduce, self.pending_heal)
         if self.needs_consensus:
             return Wait()
         if self.awaiting_session or self.waiting_update or self.throttled or not self.queue:

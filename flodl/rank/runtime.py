@@ -211,13 +211,6 @@ class RankLoop:
         self.timeouts = Timeouts(accept.heartbeat_timeout_s, accept.timeout_scale)
         self.bridge.set_hard_exit_grace(self.timeouts.hard_exit_grace_s)
         self.protocol.admitted(accept.session, accept.incarnation)
-        if accept.incarnation > 0 and self.outer is not None:
-            raise FlodlError(
-                f"rank {spec.rank} cannot rejoin this run: with {self.el.mode} the outer "
-                f"optimizer's state ({job.outer.kind}) lives on every rank and a new incarnation "
-                "has none; use a CPU-averaging mode (its outer state is at the reduce server) "
-                "or resume the run from its bundle"
-            )
         if accept.incarnation > 0:
             # a rejoin: the model comes from the next averaging round; the inner optimizer
             # starts fresh (docs/design.md §2, "Rejoin")
@@ -271,8 +264,8 @@ class RankLoop:
         while True:
             self._drain()
             match protocol.next_action():
-                case Reduce(cycle=cycle):
-                    self._reduce(cycle)
+                case Reduce(cycle=cycle, heal=heal):
+                    self._reduce(cycle, heal)
                 case Train(slice=head):
                     bs = self.job.batch_size
                     t0 = time.perf_counter()
@@ -610,7 +603,7 @@ class RankLoop:
             self._send(update)
 
     # ------------------------------------------------------------------ averaging
-    def _reduce(self, cycle: int) -> None:
+    def _reduce(self, cycle: int, heal: bool = False) -> None:
         snapshot, n = self.protocol.begin_reduce(cycle)
         self._send(snapshot)
         if self.chaos is not None:
@@ -630,7 +623,7 @@ class RankLoop:
                     for p, old in zip(self.params, pre, strict=True):
                         p.mul_(alpha).add_(old, alpha=1.0 - alpha)
             else:
-                total = self._collective_reduce(weight, n > 0, pre)
+                total = self._collective_reduce(weight, n > 0, pre, heal=heal, holder=not adopt)
                 if total > 0:  # nothing realized: everyone keeps its state, no outer step
                     if self.outer is not None:
                         self.outer.apply(self.params)
@@ -644,12 +637,31 @@ class RankLoop:
             )
         )
 
-    def _collective_reduce(self, weight: float, mover: bool, pre: list[torch.Tensor]) -> float:
-        """The weighted all-reduce (redone after a re-formation); returns the total weight."""
+    def _collective_reduce(
+        self,
+        weight: float,
+        mover: bool,
+        pre: list[torch.Tensor],
+        *,
+        heal: bool = False,
+        holder: bool = True,
+    ) -> float:
+        """The weighted all-reduce (redone after a re-formation); returns the total weight.
+        ``heal``: a member awaits the consensus (``holder`` False on that member); with an
+        outer optimizer every member then copies the outer state, bit-exact, from the lowest
+        member that holds one, so the new incarnation steps it as the others do."""
         while True:
             try:
                 total = self.collective.weighted_average([p.data for p in self.params], weight)
                 self.collective.average_buffers(self.fbuffers, mover)
+                outer = self.outer
+                if heal and outer is not None:
+                    if not holder or outer.prev is None or outer.velocity is None:
+                        # (a new incarnation's own state, if any, is stale: it is overwritten)
+                        outer.prev = [torch.zeros_like(p) for p in self.params]
+                        outer.velocity = [torch.zeros_like(p) for p in self.params]
+                        holder = False
+                    self.collective.share_from_lowest([*outer.prev, *outer.velocity], holder)
                 return float(total)
             except CollectiveFailed as exc:
                 logger.warning(

@@ -97,7 +97,8 @@ __all__ = [
 PROTOCOL_VERSION = 4
 """Version of the control protocol, in every ``hello`` and in the server's challenge; bumped on
 any incompatible change of a frame, of the codec or of the handshake. 4: ``revoke_partition`` /
-``partition_revoked`` (a whole-epoch partition re-split for a rank that joins mid-epoch); 3: a
+``partition_revoked`` (a whole-epoch partition re-split for a rank that joins mid-epoch) and
+``sync_now.heal`` (the outer optimizer's state copied to a rejoined rank); 3: a
 per-connection key from nonces both ways (:mod:`flodl.wire.control_hello`); 2 keyed frames with
 the secret itself; see docs/design.md §1."""
 
@@ -447,10 +448,14 @@ class Update(_Frame):
 
 
 class SyncNow(_Frame):
-    """Collective averaging cycle ``cycle`` starts: all-reduce at the next step boundary."""
+    """Collective averaging cycle ``cycle`` starts: all-reduce at the next step boundary.
+    ``heal``: a rank awaiting the consensus takes part; the members then also copy the outer
+    optimizer's state to it from the lowest member that holds one (docs/design.md §2,
+    "Rejoin")."""
 
     kind: Literal["sync_now"] = "sync_now"
     cycle: Count
+    heal: bool = False
 
 
 class Throttle(_Frame):

@@ -97,3 +97,26 @@ def test_a_killed_rank_is_respawned_rejoins_and_trains_to_the_end(
         base = uninterrupted(tmp_path, common, 3)
         acc = evals(out.stdout)[-1][1]
         assert within_parity(acc, base), (acc, base)
+
+
+@pytest.mark.timeout(300)
+def test_a_respawned_rank_gets_the_outer_optimizers_state_in_a_collective_mode(
+    tmp_path: Path,
+) -> None:
+    """In a collective mode the outer optimizer's state (Nesterov's previous global model and
+    velocity) lives on every rank: the rejoined incarnation gets it from the lowest live rank
+    in its first averaging round (``sync_now.heal``), so its outer steps match the others'
+    and the replicas end identical (a rank with any other outer state would step elsewhere)."""
+    common = ["--mode", "nccl_cadence", "--epochs", str(EPOCHS), "--samples", str(N)]
+    common += ["--max-anchor", "5", "--slow", SLOW, "--outer", "nesterov"]
+    out = run(
+        tmp_path,
+        "a",
+        *(*common, "--ranks", "3", "--respawn", "1"),
+        *("--crash-rank", "2", "--crash-step", "10", "--crash-kill"),
+        tag=f"flodl-test-{uuid.uuid4().hex}",
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "rank 2 exited with code -9: respawning it (1 of 1); it rejoins the run" in out.stderr
+    assert done(out.stdout) == {"save_reason": None, "replicas_agree": True}
+    assert len(rank_batches(tmp_path / "a", 2)) > 9 + 20  # the new incarnation trained

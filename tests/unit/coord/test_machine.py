@@ -386,6 +386,7 @@ def test_a_rank_rejoining_a_collective_run_grows_the_group_back_once_no_cycle_is
     c.run(until=lambda: c.coord.sync_rounds >= 2)
     c.kill(1)
     c.run(until=lambda: c.coord.sync_rounds >= 4 and c.coord.cycle.pending)
+    hello_at = len(c.trace)
     out = revive(c, 1)
     # a cycle is pending: re-forming now would split its members; the grow waits for it
     assert sends(out, NewSession) == []
@@ -399,6 +400,17 @@ def test_a_rank_rejoining_a_collective_run_grows_the_group_back_once_no_cycle_is
     c.run()
     assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
     assert c.step[1] > 0
+    # the rounds it takes part in while it awaits the consensus heal it (the outer state is
+    # copied to it), every member told alike; none before its hello, none after its catch-up
+    syncs = sends(c.trace, SyncNow)
+    caught_up = index(c.trace, lambda e: isinstance(e, Record) and e.kind == "rank_rejoined")
+    healing = sorted({f.cycle for _, f in syncs if f.heal})
+    assert healing and all(
+        f.heal == (f.cycle in healing) for _, f in syncs
+    )  # one flag per cycle, the same to every member
+    assert all(1 in {r for r, f in syncs if f.cycle == cycle} for cycle in healing)
+    assert not [f for r, f in sends(c.trace[caught_up:], SyncNow) if f.heal]
+    assert not [f for _, f in sends(c.trace[:hello_at], SyncNow) if f.heal]
     for epoch in range(c.config.total_epochs):
         cov = c.coord.coverage(epoch)
         assert cov is not None and cov.ok, (epoch, cov)

@@ -213,7 +213,7 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
         version=12,
         next_plan=EpochPlan(epoch=3, partition_offset=0, partition_size=64),
     ),
-    "sync_now": lambda: SyncNow(cycle=13),
+    "sync_now": lambda: SyncNow(cycle=13, heal=True),
     "throttle": Throttle,
     "set_global_step": lambda: SetGlobalStep(global_step=10**12),
     "declare_dead": lambda: DeclareDead(rank=2, reason="heartbeat stale for 31.0 s"),
