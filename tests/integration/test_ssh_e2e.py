@@ -355,6 +355,31 @@ def test_flodl_launch_runs_a_rank_over_ssh(sshd: Sshd, tmp_path: Path) -> None:
     assert "[rank 1] process rank=1" in out.stdout  # printed by the rank on the ssh "host"
 
 
+@pytest.mark.timeout(150)
+def test_a_rank_over_ssh_that_fails_is_respawned_over_ssh_and_rejoins(
+    sshd: Sshd, tmp_path: Path
+) -> None:
+    """``respawn`` with a rank on another host: the rank fails at its 5th step, its ssh
+    session ends with its exit status, and the launcher starts it again over ssh (with
+    ``FLODL_RESTART_COUNT=1``); the new incarnation rejoins and trains to the end."""
+    yml = two_host_cluster(tmp_path, sshd, REPO)
+    crash = ["--crash-rank", "1", "--crash-step", "5"]
+    out = subprocess.run(
+        [*LAUNCH, str(yml), "--", *TRAIN, "ssh-respawn", "--epochs", "6", "--respawn", "1", *crash],
+        capture_output=True,
+        text=True,
+        timeout=140,
+        check=False,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "rank 1 exited with code 1: respawning it (1 of 1)" in out.stderr, out.stderr[-3000:]
+    assert "[rank 1] process rank=1 restart=1" in out.stdout  # the new incarnation, over ssh
+    rejoined = "[rank_rejoined] root/sshbox/rank1: rank 1 rejoined (incarnation 1)"
+    assert rejoined in out.stdout, out.stdout[-3000:]
+    assert "DONE params=4 world=2" in out.stdout
+
+
 def children_of(pid: int) -> list[int]:
     """The live direct children of ``pid`` (read from /proc)."""
     found: list[int] = []

@@ -28,8 +28,14 @@ def main() -> None:
     p.add_argument("--crash-step", type=int, default=0)
     p.add_argument("--lr-drop-at", type=int, default=-1)
     p.add_argument("--heartbeat-timeout", type=float, default=None)
+    p.add_argument("--respawn", type=int, default=0)
     args = p.parse_args()
-    print(f"process rank={os.environ.get('FLODL_RANK', 'launcher')}", flush=True)
+    restart = int(os.environ.get("FLODL_RESTART_COUNT", "0"))  # set in a respawned rank
+    print(
+        f"process rank={os.environ.get('FLODL_RANK', 'launcher')}"
+        + (f" restart={restart}" if restart else ""),
+        flush=True,
+    )
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.samples, 16, generator=g)
@@ -39,7 +45,7 @@ def main() -> None:
 
     def train_step(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
         steps["n"] += 1
-        if me == args.crash_rank and steps["n"] == args.crash_step:
+        if me == args.crash_rank and steps["n"] == args.crash_step and restart == 0:
             raise RuntimeError(f"injected failure on rank {me} at step {steps['n']}")
         return F.cross_entropy(model(batch[0]), batch[1])
 
@@ -58,6 +64,8 @@ def main() -> None:
         .local_ranks(args.ranks)
         .metrics_fn(lambda m: print(f"epoch {m.epoch} loss {m.avg_loss:.4f}", flush=True))
     )
+    if args.respawn:
+        builder = builder.respawn(args.respawn)
     if args.heartbeat_timeout is not None:
         builder = builder.heartbeat_timeout(args.heartbeat_timeout)
     if args.lr_drop_at >= 0:
