@@ -464,8 +464,11 @@ class Dispatch:
                 )
             )
             if not any(e == epoch for _, e in self.revoking):
-                del self.wants[epoch]  # nobody was asked: nothing will come to share out
+                # nobody was asked (nothing untrained, or every rank at its share already):
+                # nothing will come to share out
+                del self.wants[epoch]
                 self._given.pop(epoch, None)
+                out.append(Record("root", "repartitioned", {"epoch": epoch, "given": []}))
 
     def _revoke(self, work: EpochWork, rank: int, batches: int, out: list[Effect]) -> int:
         """Ask ``rank`` for the last ``batches`` of its untrained queue, one request per

@@ -85,7 +85,8 @@ def test_a_killed_rank_is_respawned_rejoins_and_trains_to_the_end(
     if mode.endswith("_sync"):
         # whole-epoch partitions: the running epoch is re-split at its catch-up, and it is
         # given the untrained end of the others' queues (what a donor started when the
-        # request reached it stays its own: the frame reaches it well within 10 of its steps)
+        # request reached it stays its own: the frame reaches it well within 10 of its steps);
+        # a catch-up in the cycle that ends an epoch finds nothing untrained to re-split
         [asked] = [r["data"] for r in root if r["kind"] == "repartition"]
         [given] = [r["data"] for r in root if r["kind"] == "repartitioned"]
         assert asked["ranks"] == [0, 1, 2] and asked["epoch"] == given["epoch"]

@@ -1091,6 +1091,10 @@ def test_a_rank_rejoining_mid_epoch_gets_a_share_of_the_open_partitions(mode: st
     given = sum(f.partition_size for r, f in sends(after, ExtendPartition) if r == 2) // BS
     assert given == sum(a.revoked_size for a in answers) // BS
     assert abs(given - sum(untrained) / 3) <= 2  # Sync splits equally
+    [asked] = [e.data for e in after if isinstance(e, Record) and e.kind == "repartition"]
+    [done] = [e.data for e in after if isinstance(e, Record) and e.kind == "repartitioned"]
+    assert asked["untrained"] == sum(untrained) and dict(asked["owed"])[2] >= given
+    assert dict(done["given"]) == {2: given}
     c.run()
     assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
     for epoch in range(c.config.total_epochs):
