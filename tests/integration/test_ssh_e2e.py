@@ -338,18 +338,23 @@ TRAIN = [sys.executable, str(SCRIPT), "--tag"]
 KNOB = ["--heartbeat-timeout", "4"]
 
 
-@pytest.mark.timeout(150)
-def test_flodl_launch_runs_a_rank_over_ssh(sshd: Sshd, tmp_path: Path) -> None:
-    """Tier 3 end to end: one rank by local exec, one on an "other host" reached over ssh."""
-    yml = two_host_cluster(tmp_path, sshd, REPO)
-    out = subprocess.run(
-        [*LAUNCH, str(yml), "--", *TRAIN, "ssh-e2e", "--ranks", "1", "--epochs", "2"],
+def launch(yml: Path, tag: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``flodl launch --cluster yml -- trainer_main.py --tag tag args…``, to its end."""
+    return subprocess.run(
+        [*LAUNCH, str(yml), "--", *TRAIN, tag, *args],
         capture_output=True,
         text=True,
         timeout=140,
         check=False,
         cwd=REPO,
     )
+
+
+@pytest.mark.timeout(150)
+def test_flodl_launch_runs_a_rank_over_ssh(sshd: Sshd, tmp_path: Path) -> None:
+    """Tier 3 end to end: one rank by local exec, one on an "other host" reached over ssh."""
+    yml = two_host_cluster(tmp_path, sshd, REPO)
+    out = launch(yml, "ssh-e2e", "--ranks", "1", "--epochs", "2")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "DONE params=4 world=2" in out.stdout
     assert "[rank 1] process rank=1" in out.stdout  # printed by the rank on the ssh "host"
@@ -364,14 +369,7 @@ def test_a_rank_over_ssh_that_fails_is_respawned_over_ssh_and_rejoins(
     ``FLODL_RESTART_COUNT=1``); the new incarnation rejoins and trains to the end."""
     yml = two_host_cluster(tmp_path, sshd, REPO)
     crash = ["--crash-rank", "1", "--crash-step", "5"]
-    out = subprocess.run(
-        [*LAUNCH, str(yml), "--", *TRAIN, "ssh-respawn", "--epochs", "6", "--respawn", "1", *crash],
-        capture_output=True,
-        text=True,
-        timeout=140,
-        check=False,
-        cwd=REPO,
-    )
+    out = launch(yml, "ssh-respawn", "--epochs", "6", "--respawn", "1", *crash)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "rank 1 exited with code 1: respawning it (1 of 1)" in out.stderr, out.stderr[-3000:]
     assert "[rank 1] process rank=1 restart=1" in out.stdout  # the new incarnation, over ssh
