@@ -213,6 +213,8 @@ class _Launcher:
         self._procs_lock = threading.Lock()
         self._stopping = False
         """Set by :meth:`kill_all`: no respawn may start after it (it would be orphaned)."""
+        self._restarts: dict[int, int] = {}
+        """How many times each rank's process was respawned."""
         self.pumps: list[threading.Thread] = []
         self.watchers: list[threading.Thread] = []
         self.over_box: list[RunOver] = []
@@ -373,6 +375,7 @@ class _Launcher:
             with self._procs_lock:
                 if self._stopping:
                     return
+                self._restarts[rank] = restarts
                 message = (
                     f"rank {rank} exited with code {code}: respawning it "
                     f"({restarts} of {self.respawn}); it rejoins the run"
@@ -397,11 +400,28 @@ class _Launcher:
                 p.kill()
                 p.wait()
 
+    def _stop_unadmitted(self) -> None:
+        """The run is over: a respawned process the coordinator never admitted (it was still
+        starting) has no state to deliver, so it is stopped now instead of being waited for
+        until it gives up reaching the coordinator."""
+        with self._procs_lock:
+            for rank, restarts in self._restarts.items():
+                proc = self.procs[rank]
+                if self.service.incarnation(rank) < restarts and proc.poll() is None:
+                    message = (
+                        f"rank {rank}: its respawned process was never admitted (the run "
+                        "ended first); stopping it"
+                    )
+                    logger.warning("%s", message)
+                    print(f"flodl: {message}", file=sys.stderr, flush=True)  # noqa: T201
+                    proc.terminate()
+
     def _finish(self) -> None:
         error: BaseException | None = None
         state: TrainedState | None = None
         try:
             self.stopped.wait()
+            self._stop_unadmitted()
             for t in self.watchers:
                 t.join(timeout=self.coord_cfg.timeouts.heartbeat_s + 10.0)
             self.kill_all()

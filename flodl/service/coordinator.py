@@ -105,6 +105,11 @@ class CoordinatorService:
         if self.server is not None:
             self.server.child_exited_threadsafe(rank, exit_code)
 
+    def incarnation(self, rank: int) -> int:
+        """The last incarnation of ``rank`` the coordinator admitted (0: the first); read it
+        once the run is over, or from the loop."""
+        return self.server.machine.membership.incarnations[rank] if self.server is not None else 0
+
     def may_rejoin_threadsafe(self, rank: int, timeout_s: float = 10.0) -> bool:
         """Whether a new incarnation of dead ``rank`` would be admitted now (a launcher's
         respawn asks before it starts one)."""

@@ -79,7 +79,12 @@ def main() -> None:
     p.add_argument("--progress", action="store_true")
     p.add_argument("--rows-sum", action="store_true", help="record_scalar rows, Reduction.SUM")
     p.add_argument("--chaos", help="a chaos plan (ChaosPlan.to_env() JSON) for Trainer.chaos")
+    p.add_argument(
+        "--restart-delay", type=float, default=0.0, help="s a respawned rank waits to start"
+    )
     args = p.parse_args()
+    if os.environ.get("FLODL_RESTART_COUNT", "0") != "0":
+        time.sleep(args.restart_delay)  # a slow restart (a host that reboots)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # a launcher's ranks have FLODL_RANK; the single-device tier trains in this process
     me = int(os.environ.get("FLODL_RANK", "0" if args.ranks == 1 and not args.worker else "-1"))

@@ -121,3 +121,31 @@ def test_a_respawned_rank_gets_the_outer_optimizers_state_in_a_collective_mode(
     assert "rank 2 exited with code -9: respawning it (1 of 1); it rejoins the run" in out.stderr
     assert done(out.stdout) == {"save_reason": None, "replicas_agree": True}
     assert len(rank_batches(tmp_path / "a", 2)) > 9 + 20  # the new incarnation trained
+
+
+@pytest.mark.timeout(120)
+def test_a_respawn_still_starting_when_the_run_ends_is_stopped_not_waited_for(
+    tmp_path: Path,
+) -> None:
+    """Rank 2 fails early and its respawned process takes 60 s to start: the run ends first.
+    That process was never admitted and has nothing to deliver, so the launcher stops it at
+    the end of the run instead of waiting for it (it would wait until the process gave up
+    reaching the coordinator: its connect timeout), and leaves no process behind."""
+    tag = f"flodl-test-{uuid.uuid4().hex}"
+    t0 = time.monotonic()
+    out = run(
+        tmp_path,
+        "a",
+        *("--mode", "cpu_cadence", "--epochs", "2", "--samples", "2048", "--ranks", "3"),
+        *("--respawn", "1", "--restart-delay", "60"),
+        *("--crash-rank", "2", "--crash-step", "3", "--crash-kill"),
+        tag=tag,
+    )
+    took = time.monotonic() - t0
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "respawning it (1 of 1)" in out.stderr
+    stopped = "rank 2: its respawned process was never admitted (the run ended first); stopping it"
+    assert stopped in out.stderr, out.stderr[-3000:]
+    assert done(out.stdout)["save_reason"] is None
+    assert took < 50, took  # not the 60 s restart, nor the 40 s the watchers may be waited for
+    assert processes_with(tag) == [], "the respawned process outlived the run"

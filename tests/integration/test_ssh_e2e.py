@@ -366,10 +366,11 @@ def test_a_rank_over_ssh_that_fails_is_respawned_over_ssh_and_rejoins(
 ) -> None:
     """``respawn`` with a rank on another host: the rank fails at its 5th step, its ssh
     session ends with its exit status, and the launcher starts it again over ssh (with
-    ``FLODL_RESTART_COUNT=1``); the new incarnation rejoins and trains to the end."""
+    ``FLODL_RESTART_COUNT=1``); the new incarnation rejoins and trains to the end (30 ms
+    steps: the run lasts ≈ 11 s, long enough for the new process to start and say hello)."""
     yml = two_host_cluster(tmp_path, sshd, REPO)
     crash = ["--crash-rank", "1", "--crash-step", "5"]
-    out = launch(yml, "ssh-respawn", "--epochs", "6", "--respawn", "1", *crash)
+    out = launch(yml, "ssh-respawn", "--epochs", "6", "--slow-ms", "30", "--respawn", "1", *crash)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "rank 1 exited with code 1: respawning it (1 of 1)" in out.stderr, out.stderr[-3000:]
     assert "[rank 1] process rank=1 restart=1" in out.stdout  # the new incarnation, over ssh

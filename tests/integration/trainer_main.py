@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ def main() -> None:
     p.add_argument("--lr-drop-at", type=int, default=-1)
     p.add_argument("--heartbeat-timeout", type=float, default=None)
     p.add_argument("--respawn", type=int, default=0)
+    p.add_argument("--slow-ms", type=float, default=0.0, help="sleep per step")
     args = p.parse_args()
     restart = int(os.environ.get("FLODL_RESTART_COUNT", "0"))  # set in a respawned rank
     print(
@@ -47,6 +49,8 @@ def main() -> None:
         steps["n"] += 1
         if me == args.crash_rank and steps["n"] == args.crash_step and restart == 0:
             raise RuntimeError(f"injected failure on rank {me} at step {steps['n']}")
+        if args.slow_ms:
+            time.sleep(args.slow_ms / 1000.0)
         return F.cross_entropy(model(batch[0]), batch[1])
 
     builder = (
