@@ -248,16 +248,21 @@ class Dispatch:
             self._partition(work, out)
         return work
 
-    def _partition(self, work: EpochWork, out: list[Effect]) -> None:
+    def _shares(self, total: int) -> list[int]:
+        """Each rank's partition of ``total`` batches: the training ranks', by the mode's
+        rule (ratios, measured speeds where the mode says so, else equal)."""
         calibrated = self.elche.calibrated or self.elche.has_speed_hint()
-        sizes = partition_sizes(
-            work.remaining(),
+        return partition_sizes(
+            total,
             self.config.world_size,
             alive=self.membership.training_mask(),
             ms_per_batch=self.elche.smoothed_ms if calibrated else None,
             ratios=self.config.elche.partition_ratios,
             proportional=self.traits.speed_proportional and calibrated,
         )
+
+    def _partition(self, work: EpochWork, out: list[Effect]) -> None:
+        sizes = self._shares(work.remaining())
         for rank, ranges in enumerate(carve_ranges(work.unassigned_ranges(), sizes)):
             for rng in ranges:
                 work.assign(rank, rng)
@@ -397,6 +402,8 @@ class Dispatch:
             del self.revoking[key]  # (what it was asked to give back was forfeited above)
         for wants in self.wants.values():
             wants.pop(rank, None)
+        for epoch in list(self.wants):  # its answer may have been the last one awaited
+            self._maybe_close_resplit(epoch, out)
 
     def _extend(self, work: EpochWork, rank: int, piece: BatchRange, out: list[Effect]) -> None:
         """Append ``piece`` of the pool to ``rank``'s partition (``extend_partition``)."""
@@ -425,8 +432,6 @@ class Dispatch:
         training = self.membership.training()
         if len(training) < 2:
             return
-        mask = self.membership.training_mask()
-        calibrated = self.elche.calibrated or self.elche.has_speed_hint()
         for epoch, work in sorted(self.works.items()):
             wants = self.wants.setdefault(epoch, {})
             held = {
@@ -435,14 +440,7 @@ class Dispatch:
                 + wants.get(r, 0)
                 for r in training
             }
-            sizes = partition_sizes(
-                sum(held.values()),
-                self.config.world_size,
-                alive=mask,
-                ms_per_batch=self.elche.smoothed_ms if calibrated else None,
-                ratios=self.config.elche.partition_ratios,
-                proportional=self.traits.speed_proportional and calibrated,
-            )
+            sizes = self._shares(sum(held.values()))
             asked: list[list[int]] = []
             for r in training:
                 gap = sizes[r] - held[r]
@@ -463,12 +461,8 @@ class Dispatch:
                     },
                 )
             )
-            if not any(e == epoch for _, e in self.revoking):
-                # nobody was asked (nothing untrained, or every rank at its share already):
-                # nothing will come to share out
-                del self.wants[epoch]
-                self._given.pop(epoch, None)
-                out.append(Record("root", "repartitioned", {"epoch": epoch, "given": []}))
+            # nobody asked (nothing untrained, or every rank at its share): nothing will come
+            self._maybe_close_resplit(epoch, out)
 
     def _revoke(self, work: EpochWork, rank: int, batches: int, out: list[Effect]) -> int:
         """Ask ``rank`` for the last ``batches`` of its untrained queue, one request per
@@ -537,16 +531,22 @@ class Dispatch:
             self.refresh(rank)
             if redistribute and freed.size:
                 self._share_out(work, freed, wants, out)
-        if not any(e == epoch for _, e in self.revoking):
-            self.wants.pop(epoch, None)  # every answer is in: what is still owed lapses
-            given = self._given.pop(epoch, {})
-            out.append(
-                Record(
-                    "root",
-                    "repartitioned",
-                    {"epoch": epoch, "given": sorted([r, n] for r, n in given.items())},
-                )
+        self._maybe_close_resplit(epoch, out)
+
+    def _maybe_close_resplit(self, epoch: int, out: list[Effect]) -> None:
+        """Once no revoke of ``epoch`` awaits an answer, its re-split is over: what is still
+        owed lapses, and the ``repartitioned`` record says what each rank was given."""
+        if any(e == epoch for _, e in self.revoking):
+            return
+        self.wants.pop(epoch, None)
+        given = self._given.pop(epoch, {})
+        out.append(
+            Record(
+                "root",
+                "repartitioned",
+                {"epoch": epoch, "given": sorted([r, n] for r, n in given.items())},
             )
+        )
 
     def _share_out(
         self, work: EpochWork, freed: BatchRange, wants: dict[int, int], out: list[Effect]

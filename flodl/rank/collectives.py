@@ -417,9 +417,10 @@ class Collective:
             [float(self._world_size - self._rank) if holder else 0.0], device=self._device
         )
         self._run("finding the lowest holder", lambda: dist.all_reduce(top, op=dist.ReduceOp.MAX))
-        if top.item() == 0:
+        highest = int(top.item())
+        if highest == 0:
             return False
-        root = self._world_size - int(top.item())
+        root = self._world_size - highest
         self.weighted_average(tensors, 1.0 if self._rank == root else 0.0)
         return True
 

@@ -1106,8 +1106,14 @@ def test_a_rank_rejoining_mid_epoch_gets_a_share_of_the_open_partitions(mode: st
 def test_a_donor_that_dies_before_it_answers_forfeits_the_asked_range_too() -> None:
     c, at = rebalanced("cpu_sync")
     assert [r for r, _ in sends(c.trace[at:], RevokePartition)] == [0, 1]
-    c.kill(0)  # its revoke is still in its inbox
+    while (1, 0) in c.coord.dispatch.revoking:
+        c.act(1)  # rank 1 answers first
+    assert c.coord.dispatch.wants  # rank 2 is still owed what rank 0 will give back
+    out = c.kill(0)  # its revoke is still in its inbox: the last answer will never come
     assert not [k for k in c.coord.dispatch.revoking if k[0] == 0]
+    # the re-split is over: nothing is owed any more (a later re-split starts from scratch)
+    assert not c.coord.dispatch.wants
+    assert [e.kind for e in out if isinstance(e, Record)].count("repartitioned") == 1
     c.run()
     assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
     for epoch in range(c.config.total_epochs):
