@@ -183,7 +183,9 @@ class EpochCallbackPolicy:
     ``EpochCallbackPolicy.Fastest`` (default): the live rank with the lowest smoothed ms/batch,
     elected at the first calibration and re-elected only when it dies.
     ``EpochCallbackPolicy.Rank(n)``: pinned to global rank ``n`` (checked against the world
-    size at ``run()``); only the checkpoint role fails over while ``n`` is dead.
+    size at ``run()``); while ``n`` is dead or has not joined yet, every callback runs on the
+    survivor ``Fastest`` would pick (a ``callback_roles_moved`` alert says so), and goes back
+    to ``n`` once it has rejoined and holds the consensus.
     """
 
     Fastest: Literal["fastest"] = "fastest"

@@ -15,7 +15,8 @@ in the order the rules need:
    would split it);
 4. when a cycle it entered (at weight 0) finalizes with a non-zero total weight, it holds the
    consensus: the ``rank_joined`` / ``rank_rejoined`` record (with ``down_s`` and
-   ``consensus_s``), and the cohort takes it in; progressive modes hand it chunks from the
+   ``consensus_s``), a pinned callback rank (``EpochCallbackPolicy.Rank(n)``) takes its roles
+   back, and the cohort takes it in; progressive modes hand it chunks from the
    pool, whole-epoch partitions are re-split (``Dispatch.rebalance``) so it trains a share of
    the open epoch.
 """
@@ -95,6 +96,7 @@ class Admission:
             return "every rank joined"
         for r in vacant:
             self.elche.mark_dead(r)  # ElChe.revive when it joins
+        self.callbacks.on_formed(vacant, self.elche.smoothed_ms, out)
         if self.collective:
             out.extend(membership.reform_session(None))
         joined = membership.world_size - len(vacant)
@@ -175,6 +177,7 @@ class Admission:
                 )
             )
         if synced:
+            self.callbacks.on_consensus(sorted(synced), out)
             self.dispatch.invalidate_cohort()
             if training:
                 self.dispatch.rebalance(out)

@@ -4,7 +4,9 @@ how a failed one fails over; the bundle saves the meta commits (docs/design.md Â
 Pure module. Rules:
 
 * **roles** (:class:`~flodl.coord.roles.Roles`): the fastest live rank, elected at the first
-  calibration and sticky, or a pinned rank; a role rank's death re-elects;
+  calibration and sticky, or a pinned rank; a role rank's death re-elects; a pinned rank that
+  is dead or not joined yet lends its roles to the fastest survivor (a ``roles`` record and a
+  ``callback_roles_moved`` alert) and takes them back once it holds the consensus;
 * **epoch boundary**: the checkpoint (``checkpoint_every``, ``checkpoint_at_epoch``, or a
   ``checkpoint_now`` intent) and the eval (``eval_every``, or an ``eval_now`` intent) of the
   epoch that just ended are sent before the first ``start_epoch`` of the next, so the role rank
@@ -108,13 +110,38 @@ class Callbacks:
         """Move every role and every pending callback of a dead rank to a survivor (one that
         holds the consensus: never a rank admitted mid-run that awaits it)."""
         alive = self.membership.training()
-        why = self.roles.on_death(rank, alive, smoothed_ms)
-        if why:
-            out.append(Record("root", "roles", {"roles": why}))
+        self._roles_moved(self.roles.on_death(rank, alive, smoothed_ms), out)
         for _version, retry in sorted(self.checkpoints.items()):
             if retry.target == rank:
                 self._retry_checkpoint(retry, f"rank {rank} died", out)
         self.failover_bundles(rank, out, ranks_stopped=False)
+
+    def on_formed(
+        self, vacant: Sequence[int], smoothed_ms: Sequence[float], out: list[Effect]
+    ) -> None:
+        """Training starts without ``vacant`` (a minimum world size): the roles they hold go to
+        a rank that joined (a pinned rank takes them back when it joins and has the
+        consensus)."""
+        alive = self.membership.training()
+        for rank in vacant:
+            self._roles_moved(self.roles.on_absent(rank, alive, smoothed_ms), out)
+
+    def on_consensus(self, ranks: Sequence[int], out: list[Effect]) -> None:
+        """``ranks`` (rejoined or late) received the consensus: a pinned rank among them takes
+        its roles back, and every rank is told at once."""
+        for rank in ranks:
+            why = self.roles.on_consensus(rank)
+            if why:
+                out.append(Record("root", "roles", {"roles": why}))
+                out.append(Alert("callback_roles_moved", self.paths[rank], why, "info"))
+        self.send_roles_if_dirty(out)
+
+    def _roles_moved(self, why: str, out: list[Effect]) -> None:
+        if not why:
+            return
+        out.append(Record("root", "roles", {"roles": why}))
+        if isinstance(self.roles.policy, int):  # the user's choice is overridden: say so
+            out.append(Alert("callback_roles_moved", "root", why))
 
     def observe_epoch_fn(self, rank: int, elapsed_ms: float) -> None:
         self.roles.observe_cost("epoch_fn", rank, elapsed_ms)

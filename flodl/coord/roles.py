@@ -5,9 +5,12 @@ Pure module. Rules (docs/design.md §2, §6 "Callbacks"):
 * ``Fastest`` (default): before the first calibration every role is the lowest live rank; at
   the first calibration the live rank with the lowest smoothed ms/batch is elected (ties → lowest
   rank) and the election is **sticky**: it changes only when the role rank dies.
-* ``Rank(n)``: pinned. When ``n`` dies, every role it held moves to the lowest live rank (and
-  stays there: a dead rank never comes back). Deviation: the original moved only the
-  checkpoint role, so ``epoch_fn`` and eval silently stopped for the rest of the run.
+* ``Rank(n)``: pinned. While ``n`` does not hold the consensus (it died, or has not joined a
+  run that started at its minimum world size), every role it held goes to a survivor by the
+  ``Fastest`` rule (:func:`elect_fastest` over the ranks that hold the consensus); when ``n``
+  (a new incarnation, or a late joiner) receives the consensus, every role goes back to it.
+  Deviation: the original moved only the checkpoint role, so ``epoch_fn`` and eval silently
+  stopped for the rest of the run.
 * A failed checkpoint is retried on the next live rank that has not tried this version yet
   (lowest index first, as the original's code does); exhausted ⇒ give up, with a reason.
 * Callback costs are tracked per (kind, rank) with an EWMA (α = 0.3, first sample raw).
@@ -71,22 +74,43 @@ class Roles:
         return f"callback roles elected: {why}"
 
     def on_death(self, dead: int, alive: Sequence[int], smoothed_ms: Sequence[float]) -> str:
-        """Fail roles over from ``dead``; returns the reason ("" when no role moved)."""
-        if not alive:
+        """Fail roles over from ``dead`` to a rank of ``alive`` (the ranks holding the
+        consensus); returns the reason ("" when no role moved)."""
+        return self._vacate(dead, "died", alive, smoothed_ms)
+
+    def on_absent(self, rank: int, alive: Sequence[int], smoothed_ms: Sequence[float]) -> str:
+        """``rank`` did not join the run's formation (a minimum world size): its roles go to
+        a rank of ``alive`` until it holds the consensus; returns the reason ("" when none)."""
+        return self._vacate(rank, "has not joined", alive, smoothed_ms)
+
+    def on_consensus(self, rank: int) -> str:
+        """``rank`` (a rejoined incarnation or a late joiner) now holds the consensus: a pinned
+        rank takes every role back; returns the reason ("" when nothing changed)."""
+        if self.policy != rank or self._held() == (rank,) * 3:
             return ""
-        if dead not in (self.epoch_callback_role, self.eval_role, self.checkpoint_role):
+        self._set_all(rank)
+        return f"pinned rank {rank} holds the consensus again: callback roles back on it"
+
+    def _held(self) -> tuple[int, int, int]:
+        return (self.epoch_callback_role, self.eval_role, self.checkpoint_role)
+
+    def _vacate(
+        self, gone: int, verb: str, alive: Sequence[int], smoothed_ms: Sequence[float]
+    ) -> str:
+        if not alive or gone not in self._held():
             return ""
-        if isinstance(self.policy, int):
-            heir = min(alive)
+        heir, why = elect_fastest(alive, smoothed_ms)
+        if isinstance(self.policy, int):  # the roles still held by live ranks stay put
             self.epoch_callback_role, self.eval_role, self.checkpoint_role = (
-                heir if role == dead else role
-                for role in (self.epoch_callback_role, self.eval_role, self.checkpoint_role)
+                heir if role == gone else role for role in self._held()
             )
             self.dirty = True
-            return f"callback roles moved from dead pinned rank {dead} to lowest live rank {heir}"
-        rank, why = elect_fastest(alive, smoothed_ms)
-        self._set_all(rank)
-        return f"role rank {dead} died; re-elected {why}"
+            return (
+                f"pinned rank {gone} {verb}: callback roles moved to {why} until it holds the "
+                "consensus again"
+            )
+        self._set_all(heir)
+        return f"role rank {gone} {verb}; re-elected {why}"
 
     def observe_cost(self, kind: CallbackKind, rank: int, elapsed_ms: float) -> float:
         """Feed a callback's wall time into its EWMA; returns the new estimate."""

@@ -44,7 +44,10 @@ from flodl.wire.frames import (
     BundleSaved,
     CoordHeartbeat,
     DeclareDead,
+    EpochAggregated,
     EpochPlan,
+    EvalResult,
+    ExecuteEval,
     Exiting,
     ExtendPartition,
     Heartbeat,
@@ -91,8 +94,9 @@ def hello(rank: int, world_size: int = 2, **kw: Any) -> Hello:
     return Hello(rank=rank, world_size=world_size, **values)
 
 
-def batch(rank: int, step: int, epoch: int = 0) -> Batch:
-    return Batch(rank=rank, epoch=epoch, step=step, batch_ms=10.0 + rank, loss=1.0)
+def batch(rank: int, step: int, epoch: int = 0, ms: float | None = None) -> Batch:
+    ms = 10.0 + rank if ms is None else ms
+    return Batch(rank=rank, epoch=epoch, step=step, batch_ms=ms, loss=1.0)
 
 
 def chunk_metrics(rank: int, epoch: int, n: int) -> Metrics:
@@ -129,6 +133,10 @@ class Cluster:
         self.out: set[int] = set()  # dead or exited: acts no more
         self.expected: dict[int, set[int]] = {}
         self.entered: dict[Any, set[int]] = {}
+        self.batch_ms: list[float] | None = None  # None: 10 + rank ms a batch
+        self.role = [0] * w  # the epoch-callback role each rank was told
+        self.epoch_fns: list[tuple[int, int]] = []  # (epoch, rank) of every epoch_fn run
+        self.evals: list[tuple[int, int]] = []  # (epoch tag, rank) of every eval run
 
     def feed(self, event: Any) -> list[Effect]:
         self.trace.append(event)
@@ -186,7 +194,8 @@ class Cluster:
                 return False
             head = self.work[r][0]
             head[1], head[2], self.step[r] = head[1] - 1, head[2] + 1, self.step[r] + 1
-            self.feed(batch(r, self.step[r], head[0]))
+            ms = None if self.batch_ms is None else self.batch_ms[r]
+            self.feed(batch(r, self.step[r], head[0], ms))
             if head[1] == 0:
                 self.feed(chunk_metrics(r, head[0], head[2]))
         return True
@@ -227,6 +236,15 @@ class Cluster:
                     self._enter_collective(r, cycle)
             case SaveConsensusModel(target_rank=target, version=v):
                 self.feed(BundleSaved(rank=r, version=v, model=target == r))
+            case SetEpochCallbackRole(rank=role):
+                self.role[r] = role
+            case EpochAggregated(metrics=m) if self.role[r] == r:  # as RankProtocol does
+                self.epoch_fns.append((m.epoch, r))
+            case ExecuteEval(schedule_id=sid, epoch=epoch):
+                self.evals.append((epoch, r))
+                self.feed(
+                    EvalResult(rank=r, schedule_id=sid, epoch=epoch, metric=0.5, elapsed_ms=1.0)
+                )
             case Shutdown() | ShutdownWithSave():
                 self.out.add(r)
                 self.feed(Exiting(rank=r))
@@ -841,6 +859,82 @@ def test_cpu_death_sends_no_session_frames() -> None:
     effects = c.kill(1)
     assert sends(effects, DeclareDead) == [] and sends(effects, NewSession) == []
     assert sends(effects, ShutdownWithSave) == []
+
+
+# =============================================================================================
+# Callback roles of a pinned rank (EpochCallbackPolicy.Rank(n))
+# =============================================================================================
+
+
+def pinned(world_size: int = 3, **kw: Any) -> Cluster:
+    """Rank 2 pinned; rank 1 is the fastest (5 ms a batch), rank 0 the lowest and slowest."""
+    config = make_config(
+        "cpu_cadence",
+        world_size,
+        dataset_len=9600,
+        num_epochs=4,
+        epoch_callback_policy=2,
+        has_eval=True,
+        has_epoch_fn=True,
+        **kw,
+    )
+    c = Cluster(config)
+    c.batch_ms = [30.0, 5.0, 10.0][:world_size]
+    return c
+
+
+def roles_of(c: Cluster) -> tuple[int, int, int]:
+    roles = c.coord.callbacks.roles
+    return (roles.epoch_callback_role, roles.eval_role, roles.checkpoint_role)
+
+
+def test_a_dead_pinned_rank_lends_its_callbacks_to_the_fastest_survivor_until_it_rejoins() -> None:
+    c = pinned()
+    c.join()
+    c.run(until=lambda: len(c.evals) >= 1)
+    assert c.epoch_fns == [(0, 2)] and c.evals == [(0, 2)]  # the pinned rank, while it lives
+    out = c.kill(2)
+    # every role goes to the fastest survivor (rank 1), not the lowest (rank 0), and it is said
+    assert roles_of(c) == (1, 1, 1)
+    assert {f.rank for _, f in sends(out, SetEpochCallbackRole)} == {1}
+    [alert] = [e for e in of(out, Alert) if e.cls == "callback_roles_moved"]
+    assert "pinned rank 2 died" in alert.detail and "fastest live rank 1" in alert.detail
+    assert any(isinstance(e, Record) and e.kind == "roles" for e in out)
+    c.run(until=lambda: len(c.evals) >= 2)
+    assert c.epoch_fns[1] == (1, 1) and c.evals[1] == (1, 1)  # epoch_fn and eval go on
+    c.clock.advance(2.0)
+    revive(c, 2)
+    assert roles_of(c) == (1, 1, 1)  # not before it holds the consensus
+    c.run()
+    assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
+    back = index(c.trace, lambda e: isinstance(e, Record) and e.kind == "rank_rejoined")
+    assert roles_of(c) == (2, 2, 2)
+    moved = [e for e in c.trace[back:] if isinstance(e, Alert) and e.cls == "callback_roles_moved"]
+    assert [e.detail for e in moved] == [
+        "pinned rank 2 holds the consensus again: callback roles back on it"
+    ]
+    assert [e for e, _ in c.epoch_fns] == [0, 1, 2, 3]  # one epoch_fn per epoch, none lost
+    assert [r for e, r in c.epoch_fns if e >= 2] == [2, 2]  # back on the pinned rank
+    assert [r for e, r in c.evals if e in (2,)] == [2]
+
+
+def test_a_pinned_rank_that_has_not_joined_lends_its_callbacks_until_it_joins() -> None:
+    c = pinned(min_world_size=2)
+    c.feed(hello(0, 3))
+    out = c.feed(hello(1, 3))  # training starts without rank 2
+    assert c.coord.phase is RunPhase.TRAINING
+    assert roles_of(c) == (0, 0, 0)  # nobody is calibrated yet: the lowest rank that joined
+    [alert] = [e for e in of(out, Alert) if e.cls == "callback_roles_moved"]
+    assert "pinned rank 2 has not joined" in alert.detail
+    assert {f.rank for _, f in sends(out, SetEpochCallbackRole)} == {0}
+    c.run(until=lambda: len(c.evals) >= 1)
+    assert c.epoch_fns == [(0, 0)] and c.evals == [(0, 0)]  # they used to be lost
+    c.feed(hello(2, 3))
+    c.run()
+    assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
+    assert roles_of(c) == (2, 2, 2)
+    assert [e for e, _ in c.epoch_fns] == [0, 1, 2, 3]
+    assert c.epoch_fns[-1] == (3, 2)
 
 
 # =============================================================================================

@@ -117,15 +117,54 @@ def test_pinned_rank_holds_all_roles_and_ignores_calibration() -> None:
     assert roles_of(roles) == (2, 2, 2)
 
 
-def test_pinned_rank_death_moves_every_role_to_the_lowest_live_rank() -> None:
+def test_pinned_rank_death_moves_every_role_to_the_fastest_survivor() -> None:
     roles = Roles(2)
     roles.dirty = False
     why = roles.on_death(2, [0, 1], [9.0, 1.0, 5.0])
-    assert roles_of(roles) == (0, 0, 0)  # lowest live, not the fastest: eval goes on
+    assert roles_of(roles) == (1, 1, 1)  # the Fastest rule, not the lowest live rank
     assert roles.dirty
-    assert why == "callback roles moved from dead pinned rank 2 to lowest live rank 0"
-    assert roles.on_death(1, [0], [9.0, 1.0, 5.0]) == ""  # the heir holds them now
-    assert roles.on_death(0, [1], [9.0, 1.0, 5.0]) != "" and roles_of(roles) == (1, 1, 1)
+    assert why == (
+        "pinned rank 2 died: callback roles moved to fastest live rank 1 (1.000 ms/batch) "
+        "until it holds the consensus again"
+    )
+    assert roles.on_death(0, [1], [9.0, 1.0, 5.0]) == ""  # the heir holds them now
+    assert roles.on_death(1, [0], [9.0, 1.0, 5.0]) != "" and roles_of(roles) == (0, 0, 0)
+
+
+def test_pinned_rank_uncalibrated_death_falls_back_to_the_lowest_live_rank() -> None:
+    roles = Roles(2)
+    assert "lowest live rank 0" in roles.on_death(2, [0, 1], [0.0, 0.0, 0.0])
+    assert roles_of(roles) == (0, 0, 0)
+
+
+def test_pinned_rank_takes_its_roles_back_once_it_holds_the_consensus() -> None:
+    roles = Roles(2)
+    roles.on_death(2, [0, 1], [9.0, 1.0, 5.0])
+    roles.dirty = False
+    assert roles.on_consensus(0) == ""  # not the pinned rank: nothing moves
+    assert not roles.dirty
+    why = roles.on_consensus(2)
+    assert why == "pinned rank 2 holds the consensus again: callback roles back on it"
+    assert roles_of(roles) == (2, 2, 2) and roles.dirty
+    assert roles.on_consensus(2) == ""  # already there
+
+
+def test_fastest_roles_never_go_back_to_a_rank_that_rejoins() -> None:
+    roles = Roles("fastest")
+    roles.on_first_calibration([0, 1, 2], [5.0, 3.0, 4.0])
+    roles.on_death(1, [0, 2], [5.0, 3.0, 4.0])
+    assert roles.on_consensus(1) == "" and roles_of(roles) == (2, 2, 2)  # sticky
+
+
+def test_a_rank_absent_at_formation_lends_its_roles() -> None:
+    pinned = Roles(1)
+    why = pinned.on_absent(1, [0, 2], [0.0, 0.0, 0.0])
+    assert "pinned rank 1 has not joined" in why and roles_of(pinned) == (0, 0, 0)
+    assert pinned.on_consensus(1) != "" and roles_of(pinned) == (1, 1, 1)
+    fastest = Roles("fastest")
+    assert "role rank 0 has not joined" in fastest.on_absent(0, [1, 2], [0.0, 0.0, 0.0])
+    assert roles_of(fastest) == (1, 1, 1) and not fastest.elected  # the election still comes
+    assert Roles(2).on_absent(0, [1, 2], [0.0, 0.0, 0.0]) == ""  # it held no role
 
 
 def test_pinned_rank_ignores_other_deaths() -> None:
