@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Tier 4: ranks started by another launcher (here torchrun) join a standalone coordinator.
+# Tier 4: ranks started by another launcher (here torchrun) join a standalone coordinator;
+# the ranks bring the job (dataset, batch size, epochs, mode), so the coordinator needs only
+# the world size and the secret.
 # Run from the repository root:  bash examples/standalone_coord.sh
 set -euo pipefail
 secret_dir=$(mktemp -d)
 trap 'kill "$coord_pid" 2>/dev/null || true; rm -rf "$secret_dir"' EXIT
-flodl coord --world-size 2 --dataset-len 4096 --epochs 3 --mode cpu_cadence \
+flodl coord --world-size 2 \
     --secret-file "$secret_dir/secret" > "$secret_dir/coord.log" &
 coord_pid=$!
 for _ in $(seq 100); do grep -q FLODL_COORD= "$secret_dir/coord.log" 2>/dev/null && break; sleep 0.1; done

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import flodl
-from flodl.config import DEFAULT_BATCH_SIZE, DEFAULT_MODE, MODES
+from flodl.config import DEFAULT_BATCH_SIZE, MODES
 from flodl.errors import ConfigError
-from flodl.sampling import SHUFFLE_BASE_SEED
 from flodl.timeouts import DEFAULT_HEARTBEAT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from flodl.outer import OuterConfig
+    from flodl.service.standalone import Assertion
 
 __all__ = ["build_parser", "main"]
 
@@ -63,7 +63,9 @@ def _add_coord(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "Run one job's coordinator alone. Ranks join with FLODL_COORD=host:port, "
             "FLODL_SECRET_FILE (or FLODL_SECRET, hex), FLODL_RUN_ID, and their rank/world from "
             "FLODL_RANK/FLODL_WORLD_SIZE, torchrun's RANK/WORLD_SIZE or SLURM's "
-            "SLURM_PROCID/SLURM_NTASKS. The job options must match what the ranks train."
+            "SLURM_PROCID/SLURM_NTASKS. The ranks bring the job (dataset, batch size, epochs, "
+            "mode, callbacks, outer optimizer): `flodl coord --world-size N --secret-file F` "
+            "is enough."
         ),
     )
     p.add_argument(
@@ -85,6 +87,14 @@ def _add_coord(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: this host only)")
     p.add_argument("--port", type=int, default=0, help="control port (0: any free port)")
     p.add_argument(
+        "--data-port",
+        type=int,
+        default=0,
+        help="the data port: the CPU reduce server's (CPU modes) or the torch.distributed "
+        "store's (collective modes); 0: any free port (fix it where a firewall or a "
+        "Kubernetes Service must name it)",
+    )
+    p.add_argument(
         "--secret-file",
         required=True,
         help="run secret (hex); created with mode 0600 if missing, refused if group/world-readable",
@@ -94,10 +104,6 @@ def _add_coord(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="the run's id (default: a fresh random one, printed for the ranks' FLODL_RUN_ID): "
         "frames recorded from another run with the same secret are refused by it",
     )
-    p.add_argument("--dataset-len", type=int, required=True, help="samples in the ranks' dataset")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--mode", default=DEFAULT_MODE, help=f"one of {', '.join(MODES)}")
     p.add_argument(
         "--heartbeat-timeout",
         type=float,
@@ -105,22 +111,25 @@ def _add_coord(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="seconds of silence after which a rank is declared dead, before "
         "FLODL_NET_TIMEOUT_SCALE; every other deadline derives from it and ranks obey it",
     )
-    p.add_argument(
-        "--seed", type=int, default=SHUFFLE_BASE_SEED, help="shuffle seed (the ranks' `seed`)"
+    p.add_argument("--save-path", help="bundle stem for the meta (default: the ranks' save_path)")
+    p.add_argument("--resume-from", help="bundle stem to resume from (default: the ranks')")
+    job = p.add_argument_group(
+        "job assertions",
+        "The ranks bring the job: the first rank's defines it, every later rank must match. "
+        "Each option given here is checked against it; a rank that differs is refused with "
+        "the field and both values.",
     )
-    p.add_argument("--save-path", help="bundle stem: the coordinator writes <stem>.meta.json")
-    p.add_argument("--resume-from", help="bundle stem to resume from")
-    p.add_argument("--checkpoint-every", type=int, help="save a bundle every N epochs")
-    p.add_argument("--checkpoint-fn", action="store_true", help="the ranks set checkpoint_fn")
-    p.add_argument("--epoch-fn", action="store_true", help="the ranks set epoch_fn")
-    p.add_argument("--eval", action="store_true", help="the ranks set eval_fn")
-    p.add_argument("--eval-every", type=int, help="eval every N epochs (default: every epoch)")
-    p.add_argument(
-        "--outer",
-        default="avg",
-        help="outer optimizer: avg, slow_momentum:LR:MU or nesterov:LR:MU (CPU modes apply it "
-        "here; it must match the ranks' outer_optimizer)",
-    )
+    job.add_argument("--dataset-len", type=int, help="samples in the ranks' dataset")
+    job.add_argument("--batch-size", type=int)
+    job.add_argument("--epochs", type=int)
+    job.add_argument("--mode", help=f"one of {', '.join(MODES)}")
+    job.add_argument("--seed", type=int, help="shuffle seed (the ranks' `seed`)")
+    job.add_argument("--checkpoint-every", type=int, help="a bundle every N epochs")
+    job.add_argument("--checkpoint-fn", action="store_true", default=None, help="ranks set it")
+    job.add_argument("--epoch-fn", action="store_true", default=None, help="ranks set epoch_fn")
+    job.add_argument("--eval", action="store_true", default=None, help="ranks set eval_fn")
+    job.add_argument("--eval-every", type=int, help="eval every N epochs")
+    job.add_argument("--outer", help="outer optimizer: avg, slow_momentum:LR:MU or nesterov:LR:MU")
     p.set_defaults(command=_run_coord)
 
 
@@ -133,14 +142,18 @@ def coord_world_sizes(
     Raises:
         ConfigError: none given, both forms given, or a minimum above the maximum.
     """
+    from flodl.wire.frames import MAX_WORLD_SIZE
+
     if world is not None:
         if minimum is not None or maximum is not None:
             raise ConfigError(
                 "give either --world-size N or --min-world-size M --max-world-size N, not both"
             )
-        return world, None
+        maximum = world
     if maximum is None:
         raise ConfigError("give --world-size N, or --max-world-size N (and --min-world-size M)")
+    if not 1 <= maximum <= MAX_WORLD_SIZE:
+        raise ConfigError(f"world_size {maximum} must be in 1..{MAX_WORLD_SIZE}")
     if minimum is not None and not 1 <= minimum <= maximum:
         raise ConfigError(f"--min-world-size {minimum} must be in 1..--max-world-size ({maximum})")
     return maximum, minimum
@@ -279,15 +292,46 @@ def _load_or_create_secret(path: str) -> bytes:
     return secret
 
 
+def coord_assertions(args: argparse.Namespace) -> tuple[Assertion, ...]:
+    """The job options given to ``flodl coord``, as assertions about the ranks' job.
+
+    Raises:
+        ConfigError: an unknown ``--mode`` or a bad ``--outer``.
+    """
+    from flodl.service.standalone import Assertion
+
+    found: list[Assertion] = []
+    for option, path, value in (
+        ("--dataset-len", "dataset_len", args.dataset_len),
+        ("--batch-size", "batch_size", args.batch_size),
+        ("--epochs", "num_epochs", args.epochs),
+        ("--seed", "seed", args.seed),
+        ("--checkpoint-every", "checkpoint_every", args.checkpoint_every),
+        ("--checkpoint-fn", "has_checkpoint_fn", args.checkpoint_fn),
+        ("--epoch-fn", "has_epoch_fn", args.epoch_fn),
+        ("--eval", "has_eval", args.eval),
+        ("--eval-every", "eval_every", args.eval_every),
+    ):
+        if value is not None:
+            found.append(Assertion(option, path, value, "" if value is True else str(value)))
+    if args.mode is not None:
+        if args.mode not in MODES:
+            raise ConfigError(f"--mode {args.mode!r}: expected one of {', '.join(MODES)}")
+        found.append(Assertion("--mode", "elche.mode", args.mode, args.mode))
+    if args.outer is not None:
+        found.append(Assertion("--outer", "outer", parse_outer(args.outer), args.outer))
+    if args.save_path is not None:
+        found.append(Assertion("--save-path", "save_bundles", True, args.save_path))
+    return tuple(found)
+
+
 def _run_coord(args: argparse.Namespace) -> int:
-    from flodl import checkpoint
-    from flodl.config import CoordConfig, ElCheConfig, validated
     from flodl.coord.effects import BundleRequested, WriteMeta
-    from flodl.errors import CheckpointError
     from flodl.launch.env import timeout_scale
-    from flodl.service.bundles import BundleWriter, resume_from_bundle
+    from flodl.service.bundles import BundleWriter
     from flodl.service.coordinator import CoordinatorService
     from flodl.service.server import LoggingSink
+    from flodl.service.standalone import DefinedJob, JobTerms
     from flodl.timeouts import Timeouts
 
     try:
@@ -298,32 +342,22 @@ def _run_coord(args: argparse.Namespace) -> int:
             import secrets
 
             args.run_id = f"run-{secrets.token_hex(6)}"
-        cfg = validated(
-            CoordConfig,
+        terms = JobTerms(
             world_size=world,
             min_world_size=minimum,
-            dataset_len=args.dataset_len,
-            batch_size=args.batch_size,
-            num_epochs=args.epochs,
-            seed=args.seed,
-            elche=ElCheConfig.preset(args.mode),
-            timeouts=Timeouts.derive(args.heartbeat_timeout, timeout_scale()),
             run_id=args.run_id,
-            save_bundles=args.save_path is not None,
-            checkpoint_every=args.checkpoint_every,
-            has_checkpoint_fn=args.checkpoint_fn,
-            has_epoch_fn=args.epoch_fn,
-            has_eval=args.eval or args.eval_every is not None,
-            eval_every=args.eval_every,
+            timeouts=Timeouts.derive(args.heartbeat_timeout, timeout_scale()),
+            asserted=coord_assertions(args),
+            save_path=args.save_path,
+            resume_from=args.resume_from,
         )
-        outer = parse_outer(args.outer)
+        for option, value in (("--port", args.port), ("--data-port", args.data_port)):
+            if not 0 <= value <= 65_535:
+                raise ConfigError(f"{option} {value} must be in 0..65535")
+        if args.port and args.port == args.data_port:
+            raise ConfigError(f"--port and --data-port are both {args.port}: give two ports")
         secret = _load_or_create_secret(args.secret_file)
-        resume, outer_state = None, None
-        if args.resume_from:
-            resume, outer_state = resume_from_bundle(
-                checkpoint.normalize_stem(args.resume_from), cfg
-            )
-    except (ConfigError, CheckpointError) as exc:
+    except ConfigError as exc:
         print(f"flodl coord: error: {exc}", file=sys.stderr)
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -334,13 +368,10 @@ def _run_coord(args: argparse.Namespace) -> int:
         )
 
     async def serve() -> int:
-        stem = checkpoint.normalize_stem(args.save_path) if args.save_path else None
-
         class CoordSink(LoggingSink):
-            """Logged, plus the coordinator's part of bundles."""
+            """Logged, plus the coordinator's part of bundles (once the job names the stem)."""
 
-            def __init__(self, bundles: BundleWriter) -> None:
-                self.bundles = bundles
+            bundles = BundleWriter(None)
 
             def write_meta(self, effect: WriteMeta) -> None:
                 self.bundles.write_meta(effect)
@@ -348,29 +379,28 @@ def _run_coord(args: argparse.Namespace) -> int:
             def bundle_requested(self, effect: BundleRequested) -> None:
                 self.bundles.bundle_requested(effect)
 
-        sink = CoordSink(BundleWriter(stem))
+        sink = CoordSink()
+
+        def defined(job: DefinedJob) -> None:
+            sink.bundles = BundleWriter(job.save_stem, service)
+            print(f"flodl coordinator: {job.summary()}", flush=True)
+
         service = CoordinatorService(
-            cfg,
+            terms,
             secret,
             host=args.host,
             port=args.port,
+            data_port=args.data_port,
             sink=sink,
-            resume=resume,
-            outer=outer,
-            outer_state=outer_state,
+            on_defined=defined,
         )
-        sink.bundles.service = service
         port = await service.start()
-        sizes = (
-            str(cfg.world_size)
-            if cfg.min_world_size in (None, cfg.world_size)
-            else f"{cfg.min_world_size} to {cfg.world_size}"
-        )
+        sizes = str(world) if minimum in (None, world) else f"{minimum} to {world}"
         print(
-            f"flodl coordinator for run {cfg.run_id!r} ({sizes} ranks, {args.mode}) on "
-            f"{args.host}:{port}\n"
+            f"flodl coordinator for run {terms.run_id!r} ({sizes} ranks; the first rank brings "
+            f"the job) on {args.host}:{port}\n"
             f"ranks join with: FLODL_COORD={args.host}:{port} "
-            f"FLODL_SECRET_FILE={args.secret_file} FLODL_RUN_ID={cfg.run_id}",
+            f"FLODL_SECRET_FILE={args.secret_file} FLODL_RUN_ID={terms.run_id}",
             flush=True,
         )
         try:
@@ -381,14 +411,16 @@ def _run_coord(args: argparse.Namespace) -> int:
         if over.save_reason is not None and over.save_reason != "graceful_shutdown":
             from flodl.handle import training_stopped
 
+            stem = service.job.save_stem if service.job is not None else None
             stopped = training_stopped(
                 over.save_reason,
                 over.detail,
                 stem,
                 None,
                 lambda stem: (
-                    f"`flodl coord` and the same options plus --resume-from {shlex.quote(stem)} "
-                    f"(the ranks with resume_from={stem!r})"
+                    f"`flodl coord` with the same options and the ranks with "
+                    f"resume_from={stem!r} (or `flodl coord ... --resume-from "
+                    f"{shlex.quote(stem)}`)"
                 ),
             )
             print(f"flodl coord: {stopped}", file=sys.stderr, flush=True)

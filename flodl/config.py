@@ -28,6 +28,8 @@ __all__ = [
     "MaxFailure",
     "EpochCallbackPolicy",
     "CoordConfig",
+    "JobSpec",
+    "OuterConfig",
     "validated",
     "DEFAULT_BATCH_SIZE",
     "DEFAULT_MODE",
@@ -217,6 +219,90 @@ class MaxFailure(_Config):
         return max(1, math.ceil(self.percent * world_size - 1e-9))
 
 
+class OuterConfig(_Config):
+    """An outer optimizer's settings (use :class:`~flodl.outer.OuterAvg`,
+    :class:`~flodl.outer.SlowMomentum` or :class:`~flodl.outer.NesterovMomentum`)."""
+
+    kind: Literal["avg", "slow_momentum", "nesterov"] = "avg"
+    lr: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 1.0
+    mu: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] = 0.0
+
+    @property
+    def is_identity(self) -> bool:
+        return self.kind == "avg"
+
+    @property
+    def resets_inner(self) -> bool:
+        """DiLoCo: the inner optimizer state is reset after every window."""
+        return self.kind == "nesterov"
+
+
+MAX_STEM_CHARS = 4096
+"""The longest bundle stem a job description carries."""
+MAX_SCALARS = 256
+"""Most user scalars (``record_scalar`` names): declared reductions, or in one metrics frame."""
+
+
+class JobSpec(_Config):
+    """What the ranks train: the part of a run's configuration that each rank's own
+    ``TrainerConfig`` decides. Every rank sends it in its ``hello``; the first rank's defines
+    the job of a standalone coordinator and every later rank must bring the same
+    (docs/design.md §2c, "The ranks bring the job")."""
+
+    dataset_len: Annotated[int, Field(ge=1)]
+    batch_size: Annotated[int, Field(ge=1)] = DEFAULT_BATCH_SIZE
+    num_epochs: Annotated[int, Field(ge=1)] = 1
+    augment: Annotated[int, Field(ge=1)] = 1
+    epoch_splits: Annotated[int, Field(ge=1)] = 1
+    seed: int = SHUFFLE_BASE_SEED
+    elche: ElCheConfig = Field(default_factory=ElCheConfig)
+    max_failure: MaxFailure | None = None
+    epoch_callback_policy: Literal["fastest"] | Annotated[int, Field(ge=0)] = "fastest"
+    has_epoch_fn: bool = False
+    has_checkpoint_fn: bool = False
+    checkpoint_every: Annotated[int, Field(ge=1)] | None = None
+    checkpoint_at_epoch: Annotated[int, Field(ge=0)] | None = None
+    has_eval: bool = False
+    eval_every: Annotated[int, Field(ge=1)] | None = None
+    save_bundles: bool = False
+    reports_per_epoch: Annotated[int, Field(ge=1, le=1000)] | None = None
+    scalar_reductions: dict[str, Reduction] = Field(default_factory=dict, max_length=MAX_SCALARS)
+    outer: OuterConfig = Field(default_factory=OuterConfig)
+    save_path: Annotated[str, Field(max_length=MAX_STEM_CHARS)] | None = None
+    """The ranks' bundle stem (absolute), where a standalone coordinator with no
+    ``--save-path`` of its own writes the meta."""
+    resume_from: Annotated[str, Field(max_length=MAX_STEM_CHARS)] | None = None
+    """The stem the ranks resume from (absolute), which such a coordinator reads."""
+
+    def value(self, path: str) -> Any:
+        """The value at a dotted field path (``"elche.mode"``)."""
+        value: Any = self
+        for name in path.split("."):
+            value = getattr(value, name)
+        return value
+
+    def difference(self, other: JobSpec) -> tuple[str, Any, Any] | None:
+        """The first field where ``other`` differs, as ``(dotted path, self's, other's)``, or
+        None when both describe the same job."""
+        return _difference(self, other, "")
+
+
+def _difference(a: BaseModel, b: BaseModel, prefix: str) -> tuple[str, Any, Any] | None:
+    for name in type(a).model_fields:
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, BaseModel) and isinstance(y, BaseModel) and type(x) is type(y):
+            found = _difference(x, y, f"{prefix}{name}.")
+            if found is not None:
+                return found
+        elif x != y:
+            return f"{prefix}{name}", x, y
+    return None
+
+
+_JOB_ONLY = frozenset({"outer", "save_path", "resume_from"})
+"""JobSpec fields the coordinator's machine does not read."""
+
+
 class CoordConfig(_Config):
     """Everything the pure coordinator needs to run one job."""
 
@@ -278,6 +364,38 @@ class CoordConfig(_Config):
                 f"one batch ({self.batch_size})"
             )
         return self
+
+    @classmethod
+    def for_job(
+        cls,
+        job: JobSpec,
+        *,
+        world_size: int,
+        run_id: str,
+        timeouts: Timeouts,
+        min_world_size: int | None = None,
+        hosts: tuple[str, ...] | None = None,
+    ) -> CoordConfig:
+        """The coordinator's configuration of ``job`` on ``world_size`` ranks: the one place
+        a job description becomes a run (the launcher and ``flodl coord`` both call it).
+
+        Raises:
+            ConfigError: the combination is invalid (the message names the field).
+        """
+        fields = {n: getattr(job, n) for n in JobSpec.model_fields if n not in _JOB_ONLY}
+        return validated(
+            cls,
+            **fields,
+            world_size=world_size,
+            min_world_size=min_world_size,
+            run_id=run_id,
+            timeouts=timeouts,
+            hosts=hosts,
+        )
+
+    def job_spec(self) -> JobSpec:
+        """This run's job as a rank describes it (plain averaging, no bundle stems)."""
+        return JobSpec(**{n: getattr(self, n) for n in JobSpec.model_fields if n not in _JOB_ONLY})
 
     @property
     def index_space(self) -> int:

@@ -19,32 +19,12 @@ checkpointed to ``<stem>.outer.fdl``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+
+from flodl.config import OuterConfig
 
 __all__ = ["OuterConfig", "OuterAvg", "SlowMomentum", "NesterovMomentum", "OuterStep"]
-
-
-class OuterConfig(BaseModel):
-    """An outer optimizer's settings (use :class:`OuterAvg`, :class:`SlowMomentum` or
-    :class:`NesterovMomentum`)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: Literal["avg", "slow_momentum", "nesterov"] = "avg"
-    lr: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 1.0
-    mu: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] = 0.0
-
-    @property
-    def is_identity(self) -> bool:
-        return self.kind == "avg"
-
-    @property
-    def resets_inner(self) -> bool:
-        """DiLoCo: the inner optimizer state is reset after every window."""
-        return self.kind == "nesterov"
 
 
 def OuterAvg() -> OuterConfig:

@@ -33,7 +33,7 @@ from flodl.local import LocalRun, LocalSchedule
 from flodl.outer import OuterConfig
 from flodl.rank.snapshot import TrainedState
 from flodl.rank.step import TrainJob, record_scalar
-from flodl.trainer_config import TrainerConfig, monitor_session
+from flodl.trainer_config import TrainerConfig, job_spec, monitor_session
 from flodl.wire.frames import EpochMetrics
 
 if TYPE_CHECKING:
@@ -306,11 +306,14 @@ def _resolve_cluster(c: TrainerConfig) -> Cluster | None:
 
 
 def _job(model_factory: Fn, optim_factory: Fn, train_step: Fn, c: TrainerConfig) -> TrainJob:
+    dataset = as_batch_dataset(c.dataset)
+    save_path = checkpoint.normalize_stem(c.save_path) if c.save_path else None
+    resume_from = checkpoint.normalize_stem(c.resume_from) if c.resume_from else None
     return TrainJob(
         model_factory=model_factory,
         optim_factory=optim_factory,
         train_step=train_step,
-        dataset=as_batch_dataset(c.dataset),
+        dataset=dataset,
         batch_size=c.batch_size,
         elche=c.elche,
         max_grad_norm=c.max_grad_norm,
@@ -323,9 +326,12 @@ def _job(model_factory: Fn, optim_factory: Fn, train_step: Fn, c: TrainerConfig)
         checkpoint_fn=c.checkpoint_fn,
         eval_fn=c.eval_fn,
         eval_dataset=c.eval_dataset,
-        save_path=checkpoint.normalize_stem(c.save_path) if c.save_path else None,
-        resume_from=checkpoint.normalize_stem(c.resume_from) if c.resume_from else None,
+        save_path=save_path,
+        resume_from=resume_from,
         outer=c.outer_optimizer,
+        description=job_spec(
+            c, dataset_len=len(dataset), save_path=save_path, resume_from=resume_from
+        ),
     )
 
 

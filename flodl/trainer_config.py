@@ -18,19 +18,20 @@ from flodl.config import (
     DEFAULT_BATCH_SIZE,
     CoordConfig,
     ElCheConfig,
+    JobSpec,
     MaxFailure,
+    OuterConfig,
     Reduction,
     validated,
 )
 from flodl.coord.metrics import REDUCTIONS
 from flodl.launch.cluster import Cluster
 from flodl.monitor.session import MonitorSession
-from flodl.outer import OuterConfig
 from flodl.sampling import SHUFFLE_BASE_SEED
 from flodl.timeouts import DEFAULT_HEARTBEAT_TIMEOUT_S, Timeouts
 from flodl.wire.frames import EpochMetrics
 
-__all__ = ["TrainerConfig", "coord_config", "monitor_session"]
+__all__ = ["TrainerConfig", "job_spec", "coord_config", "monitor_session"]
 
 
 class TrainerConfig(BaseModel):
@@ -79,10 +80,10 @@ class TrainerConfig(BaseModel):
     eval_dataset: Any = None
     eval_fn: Callable[[Any, Any], float] | None = None
     """``eval_fn(model, eval_dataset) -> metric`` on the eval role rank, with the consensus;
-    every ``eval_every`` epochs (default every epoch) and once after the last epoch."""
+    after every ``eval_every``-th epoch (default every epoch) and always after the last one."""
     eval_result_fn: Callable[[int, float], None] | None = None
-    """``eval_result_fn(epoch, metric)`` on the host; the final eval is tagged
-    ``num_epochs × epoch_splits``."""
+    """``eval_result_fn(epoch, metric)`` on the host, ``epoch`` 0-based as in ``EpochMetrics``;
+    the final eval is the last epoch's (``num_epochs × epoch_splits − 1``)."""
     eval_every: Annotated[int, Field(ge=1)] | None = None
     epoch_fn: Callable[[int, Any], None] | None = None
     """``epoch_fn(epoch, model)`` on the epoch-callback role rank after each epoch."""
@@ -142,24 +143,17 @@ class TrainerConfig(BaseModel):
         return self
 
 
-def coord_config(
-    c: TrainerConfig,
-    *,
-    world_size: int,
-    dataset_len: int,
-    run_id: str,
-    scale: float,
-    save_bundles: bool,
-    hosts: tuple[str, ...] | None = None,
-) -> CoordConfig:
-    """The coordinator's configuration of a run of ``c`` on ``world_size`` ranks.
+def job_spec(
+    c: TrainerConfig, *, dataset_len: int, save_path: str | None, resume_from: str | None
+) -> JobSpec:
+    """What a rank of ``c`` trains, as its ``hello`` describes it (``save_path`` and
+    ``resume_from`` are the normalized bundle stems).
 
     Raises:
         ConfigError: the combination is invalid (the message names the field).
     """
     return validated(
-        CoordConfig,
-        world_size=world_size,
+        JobSpec,
         dataset_len=dataset_len,
         batch_size=c.batch_size,
         num_epochs=c.num_epochs,
@@ -167,9 +161,7 @@ def coord_config(
         epoch_splits=c.epoch_splits,
         seed=c.seed,
         elche=c.elche,
-        timeouts=Timeouts.derive(c.heartbeat_timeout, scale),
         max_failure=c.max_failure,
-        run_id=run_id,
         epoch_callback_policy=c.epoch_callback_policy,
         has_epoch_fn=c.epoch_fn is not None,
         has_checkpoint_fn=c.checkpoint_fn is not None,
@@ -177,10 +169,36 @@ def coord_config(
         checkpoint_at_epoch=c.checkpoint_at_epoch,
         has_eval=c.eval_fn is not None,
         eval_every=c.eval_every,
-        save_bundles=save_bundles,
-        hosts=hosts,
+        save_bundles=save_path is not None,
         reports_per_epoch=c.reports_per_epoch,
         scalar_reductions=c.scalar_reductions,
+        outer=c.outer_optimizer,
+        save_path=save_path,
+        resume_from=resume_from,
+    )
+
+
+def coord_config(
+    job: JobSpec,
+    c: TrainerConfig,
+    *,
+    world_size: int,
+    run_id: str,
+    scale: float,
+    hosts: tuple[str, ...] | None = None,
+) -> CoordConfig:
+    """The coordinator's configuration of a run of ``job`` (from :func:`job_spec`) on
+    ``world_size`` ranks, with ``c``'s deadlines.
+
+    Raises:
+        ConfigError: the combination is invalid (the message names the field).
+    """
+    return CoordConfig.for_job(
+        job,
+        world_size=world_size,
+        run_id=run_id,
+        timeouts=Timeouts.derive(c.heartbeat_timeout, scale),
+        hosts=hosts,
     )
 
 

@@ -21,7 +21,7 @@ and nothing else in the coordinator keeps its own copy of it:
 
 from __future__ import annotations
 
-from flodl.config import MaxFailure
+from flodl.config import JobSpec, MaxFailure
 from flodl.coord.cycle import Sessions
 from flodl.coord.effects import Effect, Send
 from flodl.coord.liveness import Liveness, RankState, unrecoverable_reason
@@ -59,6 +59,8 @@ class Membership:
         self.liveness = Liveness(world_size, timeouts.heartbeat_s)
         self.sessions = Sessions(session=0, members=tuple(range(world_size)))
         self.signature: str | None = None
+        self.job: JobSpec | None = None
+        """The first admitted rank's job description (every later rank must match it)."""
         self.devices: list[int | None] = [None] * world_size
         self.unrecovered: list[int] = []
         """Ranks declared dead since the last finalized cycle."""
@@ -144,6 +146,14 @@ class Membership:
                 return f"rank {hello.rank} cannot rejoin: {rejoining}"
         elif not forming and rejoining is not None:  # a rank that missed the formation
             return f"rank {hello.rank} cannot join: {rejoining}"
+        if self.job is not None and hello.job is not None:
+            found = self.job.difference(hello.job)
+            if found is not None:
+                field, first, got = found
+                return (
+                    f"job {field} {got!r} differs from the first rank's {first!r} (every rank "
+                    "must train the same job)"
+                )
         if self.signature is not None and hello.model_signature != self.signature:
             return (
                 f"model signature {hello.model_signature[:12]}… differs from the first rank's "
@@ -187,6 +197,8 @@ class Membership:
         """Admit a rank that was not refused; True once every rank joined."""
         if self.signature is None:
             self.signature = hello.model_signature
+        if self.job is None:
+            self.job = hello.job
         self.liveness.join(hello.rank, now)
         if self.liveness.joined_count() < self.forming_size:
             return False

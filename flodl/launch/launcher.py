@@ -168,13 +168,13 @@ class _Launcher:
         self.all_local = cluster.is_local(self.local_names)
         self.bind_host = "127.0.0.1" if self.all_local else cluster.controller.host
         self.bind_port = 0 if self.all_local else cluster.controller.port
+        assert job.description is not None, "a Trainer job always has its description"
         self.coord_cfg: CoordConfig = coord_config(
+            job.description,
             c,
             world_size=cluster.world_size,
-            dataset_len=len(job.dataset),
             run_id=f"run-{secrets.token_hex(4)}",
             scale=timeout_scale(),
-            save_bundles=job.save_path is not None,
             hosts=_record_hosts(cluster),
         )
         resume, outer_state = (

@@ -196,6 +196,7 @@ class RankLoop:
             world_size=spec.world_size,
             model_signature=model_signature(self.model),
             device=spec.device,
+            job=job.description,
         )
         self.bridge = RankBridge(
             spec.coord_host,

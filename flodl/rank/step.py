@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from flodl import checkpoint
-from flodl.config import ElCheConfig
+from flodl.config import ElCheConfig, JobSpec
 from flodl.data import BatchDataset
 from flodl.errors import CheckpointError, FlodlError
 from flodl.outer import OuterConfig, OuterStep
@@ -112,6 +112,9 @@ class TrainJob:
     resume_from: str | None = None
     """Bundle stem to restore the model, optimizer and outer state from before training."""
     outer: OuterConfig = field(default_factory=OuterConfig)
+    description: JobSpec | None = None
+    """The job as the rank's ``hello`` describes it (docs/design.md §2c); ``None``: the
+    hello carries none (a hand-built job)."""
 
     @property
     def keeps_consensus(self) -> bool:

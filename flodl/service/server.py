@@ -26,6 +26,11 @@ this module only moves bytes and time:
 
 Side effects the machine asks for (meta, records, alerts, epoch metrics, eval results) go to an
 :class:`EffectSink`; the default one logs.
+
+A server may start without a machine (``flodl coord``: the ranks bring the job): the first
+``hello`` is then handed to its ``define`` hook, which either refuses it (the reason goes back
+in a ``reject``; nothing else changes) or returns the machine and the data services built for
+the job that hello describes; that hello then goes to the machine like any other.
 """
 
 from __future__ import annotations
@@ -70,10 +75,11 @@ from flodl.wire.frames import (
     Hello,
     RankExited,
     RankFrame,
+    Reject,
 )
 from flodl.wire.stream import FrameReader, FrameWriter
 
-__all__ = ["EffectSink", "LoggingSink", "ReduceHooks", "CoordinatorServer"]
+__all__ = ["EffectSink", "LoggingSink", "ReduceHooks", "Defined", "CoordinatorServer"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +139,21 @@ class ReduceHooks(Protocol):
     def rank_rejoined(self, rank: int) -> None: ...
 
 
+@dataclass(frozen=True)
+class Defined:
+    """What a ``define`` hook built for the job of the first hello."""
+
+    machine: Coordinator
+    reduce: ReduceHooks | None = None
+    data_port: int | None = None
+    store_port: int | None = None
+
+
+Define = Callable[[Hello], "Defined | str"]
+"""A server's hook for the first hello when it has no machine yet: what it built, or why the
+hello is refused."""
+
+
 @dataclass(eq=False)
 class _Peer:
     source: asyncio.StreamReader
@@ -154,7 +175,8 @@ class CoordinatorServer:
     """Serve one run's control plane.
 
     Args:
-        machine: the pure coordinator (owned: only this server calls it).
+        machine: the pure coordinator (owned: only this server calls it); ``None`` until
+            ``define`` built it from the first hello.
         secret: the run secret (each connection's frame key is derived from it).
         host: address to bind (127.0.0.1 unless ranks are on other hosts).
         port: port to bind, 0 for any.
@@ -164,11 +186,12 @@ class CoordinatorServer:
         hello_timeout_s: how long a new connection may take to send its nonce and ``hello``.
         data_port: the CPU reduce server's port, announced in every ``accept``.
         store_port: the torch.distributed store's port, announced in every ``accept``.
+        define: builds the machine from the first hello (with ``machine=None``).
     """
 
     def __init__(
         self,
-        machine: Coordinator,
+        machine: Coordinator | None,
         secret: bytes,
         *,
         host: str = "127.0.0.1",
@@ -179,9 +202,13 @@ class CoordinatorServer:
         hello_timeout_s: float = 10.0,
         data_port: int | None = None,
         store_port: int | None = None,
+        define: Define | None = None,
     ) -> None:
+        if machine is None and define is None:
+            raise ValueError("a server without a machine needs a define hook")
         self._accept_extras = {"data_port": data_port, "store_port": store_port}
-        self.machine = machine
+        self._machine = machine
+        self._define = define
         self._secret = secret
         self._host = host
         self._port = port
@@ -216,9 +243,21 @@ class CoordinatorServer:
             backlog=LISTEN_BACKLOG,
         )
         self.port = int(self._server.sockets[0].getsockname()[1])
-        self._apply(self.machine.tick(self._loop.time()))
+        if self._machine is not None:
+            self._apply(self._machine.tick(self._loop.time()))
         logger.info("coordinator listening on %s:%d", self._host, self.port)
         return self.port
+
+    @property
+    def machine(self) -> Coordinator:
+        """The pure coordinator (only once it exists: see :attr:`defined`)."""
+        assert self._machine is not None, "the job is not defined yet"
+        return self._machine
+
+    @property
+    def defined(self) -> bool:
+        """Whether the machine exists (always, unless a ``define`` hook waits for a hello)."""
+        return self._machine is not None
 
     async def wait(self) -> RunOver:
         """Until the machine says the run is over."""
@@ -257,9 +296,9 @@ class CoordinatorServer:
         a new incarnation of it would be admitted now (the exit was handled first: the loop
         runs callbacks in order). False when the loop is gone or does not answer in time."""
         loop = self._loop
-        if loop is None or loop.is_closed():
+        if loop is None or loop.is_closed() or self._machine is None:
             return False
-        machine = self.machine
+        machine = self._machine
 
         async def ask() -> bool:
             return machine.may_rejoin(rank)
@@ -344,6 +383,8 @@ class CoordinatorServer:
             self._refuse(peer.address, peer.reason)
             return
         peer.role = first.role
+        if self._machine is None and not self._define_from(first, peer):
+            return
         self._dispatch(first, peer)
         if peer.closed:
             return
@@ -367,6 +408,27 @@ class CoordinatorServer:
                 self._refuse(peer.address, problem, peer.rank)
                 return
             self._dispatch(frame, peer)  # type: ignore[arg-type]
+
+    def _define_from(self, hello: Hello, peer: _Peer) -> bool:
+        """The first hello of a server without a machine: build it, or refuse the hello."""
+        assert self._define is not None
+        assert self._loop is not None
+        try:
+            outcome = self._define(hello)
+        except Exception as exc:  # noqa: BLE001 - our own bug, never blamed on the peer
+            self._internal_error(exc, "defining the job")
+            return False
+        if isinstance(outcome, str):
+            peer.reason = outcome
+            self._refuse(peer.address, outcome)
+            self._write(peer, Reject(reason=outcome))
+            self._close_peer(peer, outcome, report=False)
+            return False
+        self._machine = outcome.machine
+        self.reduce = outcome.reduce
+        self._accept_extras = {"data_port": outcome.data_port, "store_port": outcome.store_port}
+        self._apply(outcome.machine.tick(self._loop.time()))
+        return True
 
     def _refuse(self, address: str, reason: str, rank: int | None = None) -> None:
         loop = self._loop
@@ -408,12 +470,12 @@ class CoordinatorServer:
     def _dispatch(self, event: RankFrame | Input, peer: _Peer | None = None) -> None:
         loop = self._loop
         assert loop is not None
-        if self._broken is not None:
+        if self._broken is not None or self._machine is None:
             return
         previous, self._current = self._current, peer
         try:
             try:
-                effects = self.machine.handle(event, loop.time())
+                effects = self._machine.handle(event, loop.time())
             except Exception as exc:  # noqa: BLE001 - our own bug, never blamed on the peer
                 self._internal_error(exc, f"handling {event.kind!r}")
                 return
@@ -425,11 +487,11 @@ class CoordinatorServer:
         loop = self._loop
         assert loop is not None
         at, self._timer, self._timer_at = self._timer_at, None, None
-        if self._broken is not None:
+        if self._broken is not None or self._machine is None:
             return
         now = loop.time() if at is None else max(at, loop.time())
         try:
-            effects = self.machine.tick(now)
+            effects = self._machine.tick(now)
         except Exception as exc:  # noqa: BLE001 - our own bug: the run ends with it
             self._internal_error(exc, "a deadline")
             return
@@ -452,9 +514,9 @@ class CoordinatorServer:
 
     def _rearm(self) -> None:
         loop = self._loop
-        if loop is None:
+        if loop is None or self._machine is None:
             return
-        at = self.machine.next_deadline()
+        at = self._machine.next_deadline()
         if self._timer is not None and self._timer_at != at:
             self._timer.cancel()
             self._timer = None
@@ -554,8 +616,8 @@ class CoordinatorServer:
     def _drop(self, peer: _Peer, frame: CoordFrame, reason: str) -> None:
         """A control frame could not be delivered: say so (``control_drop``), then cut the peer
         (the machine hears PeerLost and declares the rank dead)."""
-        if peer.rank is not None:
-            path = self.machine.paths[peer.rank]
+        if peer.rank is not None and self._machine is not None:
+            path = self._machine.paths[peer.rank]
             alert = Alert("control_drop", path, f"{frame.kind} to rank {peer.rank}: {reason}")
             self._safe(self.sink.alert, alert)
         self._close_peer(peer, reason)

@@ -196,6 +196,7 @@ class SimCluster:
             max_failure=max_failure,
             has_epoch_fn=epoch_fn_ms > 0,
         )
+        self._job = self.config.job_spec()
         self.traits = self.config.elche.traits
         self.epoch_fn_s = epoch_fn_ms / 1000.0
         self.divergence = divergence
@@ -636,6 +637,7 @@ class SimCluster:
             rank=r.rank,
             world_size=len(self.ranks),
             model_signature=_SIGNATURE,
+            job=self._job,
         )
         self._to_coord(hello)
         self._push(self.now + self.heartbeat_s, "heartbeat", r.rank)

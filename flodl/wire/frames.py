@@ -34,6 +34,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter
 
+from flodl.config import MAX_SCALARS, JobSpec
+
 __all__ = [
     "PROTOCOL_VERSION",
     "MAX_WORLD_SIZE",
@@ -94,9 +96,10 @@ __all__ = [
     "COORD_FRAME_KINDS",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Version of the control protocol, in every ``hello`` and in the server's challenge; bumped on
-any incompatible change of a frame, of the codec or of the handshake. 4: ``revoke_partition`` /
+any incompatible change of a frame, of the codec or of the handshake. 5: ``hello.job`` (the
+ranks bring the job description); 4: ``revoke_partition`` /
 ``partition_revoked`` (a whole-epoch partition re-split for a rank that joins mid-epoch) and
 ``sync_now.heal`` (the outer optimizer's state copied to a rejoined rank); 3: a
 per-connection key from nonces both ways (:mod:`flodl.wire.control_hello`); 2 keyed frames with
@@ -108,8 +111,6 @@ BUNDLE_TAG_PATTERN = r"b\d{1,20}-\d{1,10}-[0-9a-f]{6}"
 
 MAX_WORLD_SIZE = 65_536
 MAX_U63 = (1 << 63) - 1
-MAX_SCALARS = 256
-"""Most user scalars (``record_scalar`` names) one metrics frame may carry."""
 MAX_TEXT = 4096
 """Longest free-text field (error messages, reasons), in characters."""
 MAX_SEGMENTS = 4096
@@ -209,6 +210,11 @@ class Hello(_Frame):
     role: Role = "rank"
     host: Annotated[str, StringConstraints(max_length=255)] = ""
     device: Annotated[str, StringConstraints(max_length=64)] = "cpu"
+    job: JobSpec | None = None
+    """What the rank trains (docs/design.md §2c, "The ranks bring the job"): the first
+    rank's defines a standalone coordinator's job, every other rank must bring the same;
+    ``None`` only from a hand-built rank, which no coordinator still waiting for its job
+    admits."""
 
 
 class Heartbeat(_Frame):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -33,7 +34,12 @@ def start_coord(
     verbose: bool = False,
     world: Sequence[str] = ("--world-size", "2"),
     dataset_len: int = 2048,
+    job: Sequence[str] | None = None,
 ) -> tuple[subprocess.Popen[str], str]:
+    """``flodl coord`` with ``job`` as its job options (default: the dataset length and 2
+    epochs, which the ranks of these tests train: assertions that hold)."""
+    if job is None:
+        job = ("--dataset-len", str(dataset_len), "--epochs", "2")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -42,10 +48,7 @@ def start_coord(
             *(["-v"] if verbose else []),
             "coord",
             *world,
-            "--dataset-len",
-            str(dataset_len),
-            "--epochs",
-            "2",
+            *job,
             "--secret-file",
             str(tmp / "secret"),
             *extra,
@@ -164,6 +167,57 @@ def test_ranks_started_by_hand_join_with_flodl_variables(tmp_path: Path) -> None
                 subprocess.Popen([sys.executable, str(JOIN), "--out", str(tmp_path)], env=env)
             )
         assert [p.wait(timeout=100) for p in procs] == [0, 0]
+        assert coord.wait(timeout=30) == 0
+        identical(tmp_path)
+    finally:
+        reap(procs)
+        stop(coord)
+
+
+@pytest.mark.timeout(180)
+def test_the_ranks_bring_the_job_and_a_rank_with_another_is_refused(tmp_path: Path) -> None:
+    """``flodl coord --world-size 2`` alone: the first rank's hello defines the job, a rank
+    with another one is refused naming the field and both values, and nothing changed (the
+    right rank then joins and the run trains); an option given to ``flodl coord`` is an
+    assertion, and a first rank that breaks it defines nothing."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        data_port = probe.getsockname()[1]
+    coord, address = start_coord(
+        tmp_path, "--data-port", str(data_port), job=("--mode", "cpu_sync")
+    )
+    assert coord.stdout is not None
+    procs: list[subprocess.Popen[str]] = []
+
+    def rank(r: int, *args: str) -> subprocess.Popen[str]:
+        cmd = [sys.executable, str(JOIN), "--out", str(tmp_path), "--samples", "1024", *args]
+        proc = subprocess.Popen(
+            cmd, env=flodl_env(address, tmp_path, r), stderr=subprocess.PIPE, text=True
+        )
+        procs.append(proc)
+        return proc
+
+    try:
+        wrong_mode = rank(0, "--mode", "cpu_cadence", "--epochs", "1")
+        assert wrong_mode.wait(timeout=100) != 0
+        with pytest.raises(ConnectionRefusedError):  # no job yet: no data service either
+            socket.create_connection(("127.0.0.1", data_port), timeout=5).close()
+        assert (
+            "--mode cpu_sync but rank 0 brings elche.mode 'cpu_cadence'"
+            in (wrong_mode.communicate(timeout=30)[1])
+        )
+        first = rank(0, "--mode", "cpu_sync", "--epochs", "1")
+        line = coord.stdout.readline()
+        assert line.startswith("flodl coordinator: job defined by rank 0: cpu_sync, "), line
+        assert "dataset_len 1024, batch_size 32, epochs 1" in line, line
+        socket.create_connection(("127.0.0.1", data_port), timeout=5).close()  # --data-port
+        other = rank(1, "--mode", "cpu_sync", "--epochs", "3")
+        assert other.wait(timeout=100) != 0
+        assert (
+            "job num_epochs 3 differs from the first rank's 1" in other.communicate(timeout=30)[1]
+        )
+        second = rank(1, "--mode", "cpu_sync", "--epochs", "1")
+        assert [first.wait(timeout=100), second.wait(timeout=100)] == [0, 0]
         assert coord.wait(timeout=30) == 0
         identical(tmp_path)
     finally:
@@ -350,7 +404,10 @@ def test_a_stopped_standalone_run_says_so_and_how_to_resume(tmp_path: Path) -> N
     lines = [ln for ln in err.splitlines() if ln.startswith("flodl coord: ")]
     assert len(lines) == 1, err[-3000:]
     assert lines[0].startswith("flodl coord: training stopped (single_survivor): ")
-    assert f"plus --resume-from {stem} (the ranks with resume_from={stem!r})" in lines[0]
+    assert (
+        f"the ranks with resume_from={stem!r} (or `flodl coord ... --resume-from {stem}`)"
+        in (lines[0])
+    )
     assert "samples of it still to train" in lines[0]
     last = survivor.strip().splitlines()[-1].removeprefix("[rank0]: ")  # torch's prefix
     assert last.startswith("flodl.errors.TrainingStopped: training stopped (single_survivor)")

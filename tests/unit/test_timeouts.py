@@ -15,7 +15,7 @@ from flodl.data import TensorBatchDataset
 from flodl.errors import ConfigError
 from flodl.launch.env import timeout_scale
 from flodl.timeouts import DEFAULT_HEARTBEAT_TIMEOUT_S, Timeouts
-from flodl.trainer_config import TrainerConfig, coord_config
+from flodl.trainer_config import TrainerConfig, coord_config, job_spec
 from flodl.wire.frames import Accept, Hello
 
 
@@ -78,7 +78,8 @@ def test_the_launcher_derives_the_coordinators_deadlines_from_the_trainer_config
     """Tiers 2 and 3: the Trainer's ``heartbeat_timeout`` and the launcher's scale."""
     data = TensorBatchDataset(torch.zeros(64, 2), torch.zeros(64))
     c = TrainerConfig(dataset=data, batch_size=8, heartbeat_timeout=12.0)
-    cfg = coord_config(c, world_size=2, dataset_len=64, run_id="r", scale=0.5, save_bundles=False)
+    job = job_spec(c, dataset_len=64, save_path=None, resume_from=None)
+    cfg = coord_config(job, c, world_size=2, run_id="r", scale=0.5)
     assert cfg.timeouts == Timeouts(6.0, 0.5)
     assert (cfg.heartbeat_timeout_s, cfg.join_timeout_s, cfg.stall_ceiling_s) == (6.0, 60.0, 150.0)
 
