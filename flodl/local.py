@@ -3,9 +3,10 @@
 The same contract as a cluster run, in process: the shared permutation of every epoch
 (:func:`flodl.sampling.permutation`), the framework-owned step, ``EpochMetrics`` per epoch,
 ``epoch_fn``, ``checkpoint_fn``, ``eval_fn``/``eval_result_fn`` with the same schedule and
-epoch tags as the coordinator's (a final eval tagged ``total_epochs``), bundles at
-``checkpoint_every``/``checkpoint_at_epoch``/requested epochs and at the end, and
-``resume_from`` (a bundle saved by a world-size-1 run; its uncovered ranges are trained).
+epoch tags as the coordinator's (the final eval is the last epoch's, tagged
+``total_epochs − 1``), bundles at ``checkpoint_every``/``checkpoint_at_epoch``/requested epochs
+and at the end, and ``resume_from`` (a bundle saved by a world-size-1 run; its uncovered ranges
+are trained).
 
 :class:`LocalRun` is a generator-driven loop so that both the Trainer (which owns the step) and
 the cooperative :class:`~flodl.worker.Worker` (whose user owns it) drive it.
@@ -230,7 +231,7 @@ class LocalRun:
 
     def _end_run(self) -> None:
         if self.job.eval_fn is not None:
-            self._eval(self.total_epochs)  # the canonical final eval
+            self._eval(self.total_epochs - 1)  # the final eval: the last epoch's, run once
         self._save_bundle(self.total_epochs)
         self._done = True
 

@@ -10,7 +10,10 @@ Pure module. Rules:
 * **epoch boundary**: the checkpoint (``checkpoint_every``, ``checkpoint_at_epoch``, or a
   ``checkpoint_now`` intent) and the eval (``eval_every``, or an ``eval_now`` intent) of the
   epoch that just ended are sent before the first ``start_epoch`` of the next, so the role rank
-  runs them in FIFO order; the last epoch gets the canonical final eval instead;
+  runs them in FIFO order; the last epoch's eval is the final eval, which always runs, once,
+  tagged with the last epoch's index like every eval (``total_epochs − 1``, 0-based as
+  ``EpochMetrics.epoch``; its ``schedule_id`` is ``total_epochs``, so no epoch's eval is
+  mistaken for it);
 * **checkpoint_fn failover**: a failed or dead writer hands the version to the next live rank
   that has not tried it (lowest index first); exhausted → a ``checkpoint_failed`` alert;
 * **bundles**: every live rank writes its part (``save_consensus_model``), the target rank the
@@ -87,7 +90,8 @@ class Callbacks:
         """Requested bundles awaiting their model file: version → (writer failover, meta to
         write once the ``.fdl`` is on disk, why it was saved)."""
         self._bundle_seq = 0
-        self.final_eval_epoch: int | None = None
+        self.final_eval: int | None = None
+        """The final eval's ``schedule_id`` once it was sent."""
 
     # ------------------------------------------------------------------ roles
     def send_roles_if_dirty(self, out: list[Effect]) -> None:
@@ -178,8 +182,8 @@ class Callbacks:
             self.request_bundle("graceful_shutdown", f"checkpoint after epoch {epoch}", out)
 
     def maybe_eval(self, epoch: int, out: list[Effect], *, final: bool = False) -> bool:
-        """Send the eval of ``epoch`` to the eval role if it is due (or ``final``); True when
-        it was sent."""
+        """Send the eval of ``epoch`` to the eval role if it is due (or ``final``: the final
+        eval, which is the last epoch's); True when it was sent."""
         if not (final or self.eval_due(epoch)):
             return False
         self.intents.discard("eval_now")
@@ -190,7 +194,7 @@ class Callbacks:
             Send(
                 target,
                 ExecuteEval(
-                    schedule_id=epoch,
+                    schedule_id=self.config.total_epochs if final else epoch,
                     epoch=epoch,
                     target_rank=target,
                     adopt_consensus=self.traits.elastic_blend,
@@ -200,19 +204,21 @@ class Callbacks:
         return True
 
     def start_final_eval(self, out: list[Effect]) -> bool:
-        """After the last epoch: the final eval, tagged ``total_epochs``; True when sent."""
-        final = self.config.total_epochs
-        if not (self.config.has_eval and self.maybe_eval(final, out, final=True)):
+        """After the last epoch: the final eval, which is that epoch's eval (tagged
+        ``total_epochs − 1``); True when sent."""
+        if not (self.config.has_eval and self.maybe_eval(self._last_epoch, out, final=True)):
             return False
-        self.final_eval_epoch = final
+        self.final_eval = self.config.total_epochs
         return True
 
     def retry_final_eval(self, out: list[Effect]) -> bool:
         """The eval role died during the final eval: send it to the new one; False when there
         is none (the run then shuts down)."""
-        return self.final_eval_epoch is not None and self.maybe_eval(
-            self.final_eval_epoch, out, final=True
-        )
+        return self.final_eval is not None and self.maybe_eval(self._last_epoch, out, final=True)
+
+    @property
+    def _last_epoch(self) -> int:
+        return self.config.total_epochs - 1
 
     def _checkpoint_target(self) -> int | None:
         target = self.roles.checkpoint_role
@@ -230,7 +236,7 @@ class Callbacks:
             out.extend(self.membership.broadcast(EvalBroadcast(epoch=res.epoch, metric=res.metric)))
         else:
             out.append(Alert("eval_failed", self.paths[res.rank], f"eval {res.epoch}: {res.error}"))
-        return self.final_eval_epoch is not None and res.schedule_id == self.final_eval_epoch
+        return self.final_eval is not None and res.schedule_id == self.final_eval
 
     def on_checkpoint_result(self, res: CheckpointResult, out: list[Effect]) -> None:
         self.roles.observe_cost("checkpoint", res.rank, res.elapsed_ms)

@@ -63,9 +63,9 @@ def test_callbacks_fire_on_their_roles_and_a_failing_checkpoint_fails_over(
     assert out.returncode == 0, out.stderr[-3000:]
     assert done(out.stdout)["save_reason"] is None
     logs = tmp_path / "a"
-    # eval after epochs 0 and 1 on the eval role, then the canonical final eval tagged 3
+    # eval after epochs 0 and 1 on the eval role, then the final eval: epoch 2's, tagged 2
     got = evals(out.stdout)
-    assert [e for e, _ in got] == [0, 1, 3]
+    assert [e for e, _ in got] == [0, 1, 2]
     assert got[-1][1] > 0.8  # it is the trained consensus being scored
     # epoch_fn once per epoch, on one rank once the roles are elected (sticky)
     fns = callback_lines(logs, "EPOCHFN")
@@ -124,7 +124,7 @@ def test_killing_the_role_rank_moves_every_role_to_a_survivor(tmp_path: Path) ->
     ckpts = [(r, e) for r, e, ok in callback_lines(logs, "CKPT") if ok == "ok"]
     assert sorted({e for _, e in ckpts}) == [0, 1, 2, 3]
     assert all(r != 0 for r, e in ckpts if e >= 2)
-    assert [e for e, _ in evals(out.stdout)] == [0, 1, 2, 4]
+    assert [e for e, _ in evals(out.stdout)] == [0, 1, 2, 3]
 
 
 @pytest.mark.timeout(180)
@@ -153,7 +153,7 @@ def test_killing_a_pinned_role_rank_moves_every_role_to_a_survivor(
     ckpts = [(r, e) for r, e, ok in callback_lines(logs, "CKPT") if ok == "ok"]
     assert sorted({e for _, e in ckpts}) == [0, 1, 2, 3]
     assert all(r == 1 for r, e in ckpts if e >= 2)
-    assert [e for e, _ in evals(out.stdout)] == [0, 1, 2, 4]
+    assert [e for e, _ in evals(out.stdout)] == [0, 1, 2, 3]
 
 
 @pytest.mark.timeout(180)
@@ -183,7 +183,7 @@ def test_worker_tier_user_owned_loop_trains_every_sample_and_saves(tmp_path: Pat
     trained = split_epochs(tmp_path / "a", ms, 3)
     for epoch in (0, 1):
         assert sorted(trained[epoch]) == list(range(2048))
-    assert [e for e, _ in evals(out.stdout)] == [0, 2]
+    assert [e for e, _ in evals(out.stdout)] == [0, 1]
     assert final_matches_bundle(tmp_path / "final.pt", stem)
 
 
@@ -223,7 +223,7 @@ def test_single_device_tier_checkpoints_resumes_and_runs_callbacks(tmp_path: Pat
     common = ["--ranks", "1", "--samples", "1024", "--eval", "--ckpt-fn", "--epoch-fn-sleep", "0"]
     a = run(tmp_path, "a", *common, "--epochs", "2", "--save", str(stem), "--checkpoint-every", "1")
     assert a.returncode == 0, a.stderr[-3000:]
-    assert [e for e, _ in evals(a.stdout)] == [0, 2]
+    assert [e for e, _ in evals(a.stdout)] == [0, 1]
     assert [e for _, e, _ in callback_lines(tmp_path / "a", "EPOCHFN")] == [0, 1]
     meta = checkpoint.read_meta(stem, world_size=1)
     assert meta.epoch == 2
@@ -242,7 +242,7 @@ def test_single_device_tier_checkpoints_resumes_and_runs_callbacks(tmp_path: Pat
     )
     assert b.returncode == 0, b.stderr[-3000:]
     assert [m["epoch"] for m in metrics(b.stdout)] == [2, 3]
-    assert [e for e, _ in evals(b.stdout)] == [2, 4]
+    assert [e for e, _ in evals(b.stdout)] == [2, 3]
     assert checkpoint.read_meta(stem, world_size=1).epoch == 4
     assert final_matches_bundle(tmp_path / "b.pt", stem)
     w = run(tmp_path, "w", *common, "--epochs", "1", "--worker")

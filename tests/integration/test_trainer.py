@@ -93,6 +93,24 @@ def test_single_process_tier_trains_and_streams_metrics(caplog: pytest.LogCaptur
     assert len(state.params) == len(list(fresh.parameters()))
 
 
+@pytest.mark.timeout(120)
+def test_single_process_tier_tags_each_eval_with_its_epoch_and_runs_the_final_one_once() -> None:
+    got: list[int] = []
+    handle = (
+        Trainer.builder(model, optim, step)
+        .dataset(data(512))
+        .batch_size(32)
+        .num_epochs(4)
+        .eval_dataset(data(64))
+        .eval_fn(lambda m, ds: 1.0)
+        .eval_every(2)
+        .eval_result_fn(lambda epoch, metric: got.append(epoch))
+        .run()
+    )
+    handle.join(timeout=60)
+    assert got == [1, 3]  # 0-based like EpochMetrics; the last epoch's eval is the final one
+
+
 @pytest.mark.timeout(150)
 def test_local_ranks_tier_runs_the_same_script_and_leaves_no_process() -> None:
     tag = f"flodl-test-{uuid.uuid4().hex}"

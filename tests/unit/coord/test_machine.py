@@ -21,6 +21,7 @@ from flodl.coord.effects import (
     Close,
     Effect,
     EpochDone,
+    EvalDone,
     OpenReduce,
     RankDead,
     RankLeft,
@@ -859,6 +860,43 @@ def test_cpu_death_sends_no_session_frames() -> None:
     effects = c.kill(1)
     assert sends(effects, DeclareDead) == [] and sends(effects, NewSession) == []
     assert sends(effects, ShutdownWithSave) == []
+
+
+# =============================================================================================
+# Eval schedule and epoch tags
+# =============================================================================================
+
+
+@pytest.mark.parametrize(
+    ("epochs", "every", "splits", "tags"),
+    [
+        (3, None, 1, [0, 1, 2]),  # every epoch; the last one's eval is the final eval
+        (4, 2, 1, [1, 3]),  # the due eval of the last epoch is the final one: not two
+        (3, 2, 1, [1, 2]),  # the final eval runs whatever eval_every says
+        (2, None, 2, [0, 1, 2, 3]),  # epochs are splits: 0..num_epochs × splits − 1
+    ],
+)
+def test_every_eval_is_tagged_with_the_0_based_epoch_it_follows(
+    epochs: int, every: int | None, splits: int, tags: list[int]
+) -> None:
+    c = joined(
+        "cpu_cadence",
+        3,
+        dataset_len=3200,
+        num_epochs=epochs,
+        epoch_splits=splits,
+        has_eval=True,
+        eval_every=every,
+    )
+    c.run()
+    assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
+    assert [e for e, _ in c.evals] == tags
+    done = [e.epoch for e in c.trace if isinstance(e, EvalDone)]
+    assert done == tags  # what eval_result_fn receives
+    metrics = [e.metrics.epoch for e in c.trace if isinstance(e, EpochDone)]
+    assert metrics == list(range(epochs * splits))  # the same numbering as EpochMetrics
+    final = [f for _, f in sends(c.trace, ExecuteEval) if f.epoch == tags[-1]]
+    assert [f.schedule_id for f in final] == [epochs * splits]  # one final eval, told apart
 
 
 # =============================================================================================
