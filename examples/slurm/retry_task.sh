@@ -1,0 +1,20 @@
+#!/bin/bash
+# One SLURM task's rank, restarted in place when it fails:  retry_task.sh COMMAND [ARGS...]
+#
+# SLURM does not restart one task of a job step, so the task restarts its own rank: a failed
+# attempt is run again, up to RETRIES times (default 2), with FLODL_RESTART_COUNT=<attempt>
+# exported; flodl reads it as "a restarted rank" and the new process rejoins the running run
+# as that rank's next incarnation (the coordinator declared the old one dead when its
+# connection dropped, and handed its unfinished work to the others). Exits 0 as soon as an
+# attempt does, else with the last attempt's status.
+#
+#   srun --kill-on-bad-exit=0 examples/slurm/retry_task.sh python3 train.py
+retries=${RETRIES:-2}
+code=0
+for attempt in $(seq 0 "$retries"); do
+    export FLODL_RESTART_COUNT=$attempt
+    "$@" && exit 0
+    code=$?
+    echo "flodl task ${SLURM_PROCID:-?}: attempt $attempt exited $code" >&2
+done
+exit "$code"
