@@ -266,8 +266,9 @@ def test_a_crashed_task_is_restarted_in_place_and_its_rank_rejoins(
     """Rank 2's task crashes (``os._exit(1)`` at its 5th step, first incarnation only);
     ``retry_task.sh`` (the sbatch example's) starts it again inside the same srun step (with
     FLODL_RESTART_COUNT=1, which the script reads to crash only once), and the coordinator,
-    whose run is still going, admits it as rank 2's incarnation 1. The other ranks hold from the crash until the new process started (see
-    slurm_main.py), so the rejoin does not race the end of the run."""
+    whose run is still going, admits it as rank 2's incarnation 1. The other ranks hold from
+    the crash until the new process started (see slurm_main.py), so the rejoin does not race
+    the end of the run."""
     coord = start_coord(slurm, tmp_path, "--dataset-len", "2048", "--epochs", "2")
     run = srun(
         slurm,
