@@ -9,20 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shlex
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import flodl
 from flodl.config import DEFAULT_BATCH_SIZE, MODES
 from flodl.errors import ConfigError
 from flodl.timeouts import DEFAULT_HEARTBEAT_TIMEOUT_S
-
-if TYPE_CHECKING:
-    from flodl.outer import OuterConfig
-    from flodl.service.standalone import Assertion
 
 __all__ = ["build_parser", "main"]
 
@@ -111,6 +104,14 @@ def _add_coord(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="seconds of silence after which a rank is declared dead, before "
         "FLODL_NET_TIMEOUT_SCALE; every other deadline derives from it and ranks obey it",
     )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="segments after a stop: when every rank is lost (torchrun restarting its worker "
+        "group), wait on the same port for the ranks to come back and resume from the last "
+        "bundle, up to N times (default 0: a stop ends the coordinator)",
+    )
     p.add_argument("--save-path", help="bundle stem for the meta (default: the ranks' save_path)")
     p.add_argument("--resume-from", help="bundle stem to resume from (default: the ranks')")
     job = p.add_argument_group(
@@ -131,52 +132,6 @@ def _add_coord(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     job.add_argument("--eval-every", type=int, help="eval every N epochs")
     job.add_argument("--outer", help="outer optimizer: avg, slow_momentum:LR:MU or nesterov:LR:MU")
     p.set_defaults(command=_run_coord)
-
-
-def coord_world_sizes(
-    world: int | None, minimum: int | None, maximum: int | None
-) -> tuple[int, int | None]:
-    """``flodl coord``'s (world size, minimum world size) from ``--world-size`` or
-    ``--min-world-size`` / ``--max-world-size``.
-
-    Raises:
-        ConfigError: none given, both forms given, or a minimum above the maximum.
-    """
-    from flodl.wire.frames import MAX_WORLD_SIZE
-
-    if world is not None:
-        if minimum is not None or maximum is not None:
-            raise ConfigError(
-                "give either --world-size N or --min-world-size M --max-world-size N, not both"
-            )
-        maximum = world
-    if maximum is None:
-        raise ConfigError("give --world-size N, or --max-world-size N (and --min-world-size M)")
-    if not 1 <= maximum <= MAX_WORLD_SIZE:
-        raise ConfigError(f"world_size {maximum} must be in 1..{MAX_WORLD_SIZE}")
-    if minimum is not None and not 1 <= minimum <= maximum:
-        raise ConfigError(f"--min-world-size {minimum} must be in 1..--max-world-size ({maximum})")
-    return maximum, minimum
-
-
-def parse_outer(text: str) -> OuterConfig:
-    """``avg`` | ``slow_momentum:LR:MU`` | ``nesterov:LR:MU`` (LR, MU optional).
-
-    Raises:
-        ConfigError: an unknown kind or a bad number.
-    """
-    from flodl.config import validated
-    from flodl.outer import OuterConfig
-
-    kind, *nums = text.split(":")
-    if kind not in ("avg", "slow_momentum", "nesterov") or len(nums) > 2:
-        raise ConfigError(f"--outer {text!r}: expected avg, slow_momentum:LR:MU or nesterov:LR:MU")
-    defaults = {"avg": (1.0, 0.0), "slow_momentum": (1.0, 0.9), "nesterov": (0.7, 0.9)}[kind]
-    try:
-        values = [float(v) for v in nums] + list(defaults[len(nums) :])
-    except ValueError:
-        raise ConfigError(f"--outer {text!r}: LR and MU must be numbers") from None
-    return validated(OuterConfig, kind=kind, lr=values[0], mu=values[1])
 
 
 def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -265,173 +220,10 @@ def _run_launch(args: argparse.Namespace) -> int:
     return 2 if code is None else code
 
 
-def _load_or_create_secret(path: str) -> bytes:
-    """The run secret from ``path`` (hex, mode 0600), created there if missing."""
-    import os
-    import secrets
-    import stat
-
-    if not os.path.exists(path):
-        secret = secrets.token_bytes(32)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secret.hex() + "\n")
-        return secret
-    mode = stat.S_IMODE(os.stat(path).st_mode)
-    if mode & 0o077:
-        raise ConfigError(
-            f"--secret-file {path} has mode {oct(mode)}: run 'chmod 600 {path}' (it must not be "
-            "readable by group or others)"
-        )
-    try:
-        secret = bytes.fromhex(Path(path).read_text().strip())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--secret-file {path}: not a hex secret ({exc})") from None
-    if len(secret) < 16:
-        raise ConfigError(f"--secret-file {path}: the secret must be at least 16 bytes")
-    return secret
-
-
-def coord_assertions(args: argparse.Namespace) -> tuple[Assertion, ...]:
-    """The job options given to ``flodl coord``, as assertions about the ranks' job.
-
-    Raises:
-        ConfigError: an unknown ``--mode`` or a bad ``--outer``.
-    """
-    from flodl.service.standalone import Assertion
-
-    found: list[Assertion] = []
-    for option, path, value in (
-        ("--dataset-len", "dataset_len", args.dataset_len),
-        ("--batch-size", "batch_size", args.batch_size),
-        ("--epochs", "num_epochs", args.epochs),
-        ("--seed", "seed", args.seed),
-        ("--checkpoint-every", "checkpoint_every", args.checkpoint_every),
-        ("--checkpoint-fn", "has_checkpoint_fn", args.checkpoint_fn),
-        ("--epoch-fn", "has_epoch_fn", args.epoch_fn),
-        ("--eval", "has_eval", args.eval),
-        ("--eval-every", "eval_every", args.eval_every),
-    ):
-        if value is not None:
-            found.append(Assertion(option, path, value, "" if value is True else str(value)))
-    if args.mode is not None:
-        if args.mode not in MODES:
-            raise ConfigError(f"--mode {args.mode!r}: expected one of {', '.join(MODES)}")
-        found.append(Assertion("--mode", "elche.mode", args.mode, args.mode))
-    if args.outer is not None:
-        found.append(Assertion("--outer", "outer", parse_outer(args.outer), args.outer))
-    if args.save_path is not None:
-        found.append(Assertion("--save-path", "save_bundles", True, args.save_path))
-    return tuple(found)
-
-
 def _run_coord(args: argparse.Namespace) -> int:
-    from flodl.coord.effects import BundleRequested, WriteMeta
-    from flodl.launch.env import timeout_scale
-    from flodl.service.bundles import BundleWriter
-    from flodl.service.coordinator import CoordinatorService
-    from flodl.service.server import LoggingSink
-    from flodl.service.standalone import DefinedJob, JobTerms
-    from flodl.timeouts import Timeouts
+    from flodl.coord_cli import run_coord
 
-    try:
-        world, minimum = coord_world_sizes(
-            args.world_size, args.min_world_size, args.max_world_size
-        )
-        if args.run_id is None:
-            import secrets
-
-            args.run_id = f"run-{secrets.token_hex(6)}"
-        terms = JobTerms(
-            world_size=world,
-            min_world_size=minimum,
-            run_id=args.run_id,
-            timeouts=Timeouts.derive(args.heartbeat_timeout, timeout_scale()),
-            asserted=coord_assertions(args),
-            save_path=args.save_path,
-            resume_from=args.resume_from,
-        )
-        for option, value in (("--port", args.port), ("--data-port", args.data_port)):
-            if not 0 <= value <= 65_535:
-                raise ConfigError(f"{option} {value} must be in 0..65535")
-        if args.port and args.port == args.data_port:
-            raise ConfigError(f"--port and --data-port are both {args.port}: give two ports")
-        secret = _load_or_create_secret(args.secret_file)
-    except ConfigError as exc:
-        print(f"flodl coord: error: {exc}", file=sys.stderr)
-        return 2
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(
-            f"flodl coord: warning: listening on {args.host}: traffic is authenticated (HMAC) but "
-            "not encrypted; tunnel it (ssh -L) across untrusted networks",
-            file=sys.stderr,
-        )
-
-    async def serve() -> int:
-        class CoordSink(LoggingSink):
-            """Logged, plus the coordinator's part of bundles (once the job names the stem)."""
-
-            bundles = BundleWriter(None)
-
-            def write_meta(self, effect: WriteMeta) -> None:
-                self.bundles.write_meta(effect)
-
-            def bundle_requested(self, effect: BundleRequested) -> None:
-                self.bundles.bundle_requested(effect)
-
-        sink = CoordSink()
-
-        def defined(job: DefinedJob) -> None:
-            sink.bundles = BundleWriter(job.save_stem, service)
-            print(f"flodl coordinator: {job.summary()}", flush=True)
-
-        service = CoordinatorService(
-            terms,
-            secret,
-            host=args.host,
-            port=args.port,
-            data_port=args.data_port,
-            sink=sink,
-            on_defined=defined,
-        )
-        port = await service.start()
-        sizes = str(world) if minimum in (None, world) else f"{minimum} to {world}"
-        print(
-            f"flodl coordinator for run {terms.run_id!r} ({sizes} ranks; the first rank brings "
-            f"the job) on {args.host}:{port}\n"
-            f"ranks join with: FLODL_COORD={args.host}:{port} "
-            f"FLODL_SECRET_FILE={args.secret_file} FLODL_RUN_ID={terms.run_id}",
-            flush=True,
-        )
-        try:
-            over = await service.wait()
-        finally:
-            await service.close()
-        print(f"flodl coordinator: {over.reason}", flush=True)
-        if over.save_reason is not None and over.save_reason != "graceful_shutdown":
-            from flodl.handle import training_stopped
-
-            stem = service.job.save_stem if service.job is not None else None
-            stopped = training_stopped(
-                over.save_reason,
-                over.detail,
-                stem,
-                None,
-                lambda stem: (
-                    f"`flodl coord` with the same options and the ranks with "
-                    f"resume_from={stem!r} (or `flodl coord ... --resume-from "
-                    f"{shlex.quote(stem)}`)"
-                ),
-            )
-            print(f"flodl coord: {stopped}", file=sys.stderr, flush=True)
-        return 0 if over.ok else 1
-
-    try:
-        import uvloop
-
-        return int(uvloop.run(serve()))
-    except KeyboardInterrupt:
-        return 130
+    return run_coord(args)
 
 
 def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -123,6 +123,11 @@ def define_job(terms: JobTerms, hello: Hello) -> DefinedJob | str:
         )
     except ConfigError as exc:
         return f"rank {hello.rank}'s job cannot run here: {exc}"
+    if terms.resume_from is not None and job.resume_from is None:
+        return (
+            f"this coordinator resumes from {terms.resume_from} but rank {hello.rank} does not "
+            "(its resume_from is not set): its model would start afresh"
+        )
     save_stem = terms.save_path or job.save_path
     resume_stem = terms.resume_from or job.resume_from
     resume, outer_state = None, None

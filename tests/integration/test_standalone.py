@@ -156,6 +156,54 @@ def test_torchrun_ranks_join_a_standalone_coordinator(mode: str, tmp_path: Path)
         stop(coord)
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.timeout(240)
+def test_a_torchrun_elastic_restart_resumes_the_run_from_its_last_bundle(tmp_path: Path) -> None:
+    """``torchrun --nnodes 1:3 --max-restarts 2``: a failing worker makes torchrun restart the
+    whole worker group, so every rank is lost at once. ``flodl coord --max-restarts 1`` waits on
+    its port, the restarted workers (``resume_from`` their ``save_path``) bring the job again,
+    and the run resumes from its last committed bundle and completes."""
+    stem = str(tmp_path / "ck")
+    coord, address = start_coord(tmp_path, "--max-restarts", "1", job=())
+    assert coord.stdout is not None
+    env = {
+        **os.environ,
+        "FLODL_COORD": address,
+        "FLODL_RUN_ID": RUN_IDS[address],
+        "FLODL_SECRET_FILE": str(tmp_path / "secret"),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:3"]
+    cmd += ["--nproc-per-node", "2", "--max-restarts", "2", "--rdzv-backend", "c10d"]
+    cmd += ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "flodl-test"]
+    cmd += ["--rdzv-conf", "last_call_timeout=1", str(JOIN), "--out", str(tmp_path)]
+    cmd += ["--epochs", "4", "--slow-ms", "20", "--save", stem, "--checkpoint-every", "1"]
+    cmd += ["--resume-if-saved", "--fail-once", "1"]
+    try:
+        run = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=200, check=False, cwd=tmp_path
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "rank 1: failing on purpose after a committed bundle" in run.stdout
+        assert coord.wait(timeout=30) == 0
+        out, _ = stop(coord)
+    finally:
+        stop(coord)
+    lines = [ln for ln in out.splitlines() if ln.startswith("flodl coordinator: ")]
+    defined = [ln for ln in lines if "job defined by rank" in ln]
+    assert len(defined) == 2, out
+    assert f"resuming from {stem}" in defined[1], out
+    restart = [ln for ln in lines if "restart 1 of 1" in ln]
+    assert len(restart) == 1, out
+    assert f"to resume from the bundle {stem}" in restart[0], out
+    assert lines[-1] == "flodl coordinator: run complete", out
+    identical(tmp_path)
+
+
 @pytest.mark.timeout(120)
 def test_ranks_started_by_hand_join_with_flodl_variables(tmp_path: Path) -> None:
     coord, address = start_coord(tmp_path, "--mode", "cpu_cadence")
@@ -180,9 +228,7 @@ def test_the_ranks_bring_the_job_and_a_rank_with_another_is_refused(tmp_path: Pa
     with another one is refused naming the field and both values, and nothing changed (the
     right rank then joins and the run trains); an option given to ``flodl coord`` is an
     assertion, and a first rank that breaks it defines nothing."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        data_port = probe.getsockname()[1]
+    data_port = free_port()
     coord, address = start_coord(
         tmp_path, "--data-port", str(data_port), job=("--mode", "cpu_sync")
     )

@@ -84,7 +84,15 @@ LAYERS: list[tuple[str, list[str]]] = [
     ),
     (
         "entry",
-        ["flodl", "flodl.trainer", "flodl.demo", "flodl.demo.*", "flodl.cli", "flodl.__main__"],
+        [
+            "flodl",
+            "flodl.trainer",
+            "flodl.demo",
+            "flodl.demo.*",
+            "flodl.cli",
+            "flodl.coord_cli",
+            "flodl.__main__",
+        ],
     ),
 ]
 """Layers from the bottom up; a module may import its own layer and those below."""

@@ -151,6 +151,15 @@ def test_a_bundle_that_cannot_be_resumed_refuses_the_hello(tmp_path: Path) -> No
     assert out.startswith(f"cannot resume rank 0's job from {tmp_path / 'missing'}: ")
 
 
+def test_a_coordinator_that_resumes_refuses_a_rank_that_does_not() -> None:
+    terms = JobTerms(world_size=2, run_id="run", timeouts=Timeouts(10.0), resume_from="/r/ck")
+    out = define_job(terms, hello())
+    assert out == (
+        "this coordinator resumes from /r/ck but rank 0 does not (its resume_from is not set): "
+        "its model would start afresh"
+    )
+
+
 # --------------------------------------------------------------------------------- machine
 def test_a_later_rank_with_another_job_is_refused_naming_the_field_and_both_values() -> None:
     cfg = validated(CoordConfig, world_size=3, dataset_len=2048, elche=ElCheConfig.cpu_cadence())
