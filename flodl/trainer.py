@@ -150,6 +150,9 @@ class TrainerBuilder:
         return self._set("outer_optimizer", outer)
 
     def reports_per_epoch(self, n: int) -> TrainerBuilder:
+        """``n`` sub-epoch ``node`` reports per epoch (records, dashboard, progress), each after
+        another ``1/n`` of the epoch's batches, whatever the averaging cadence (an epoch of
+        fewer than ``n`` batches gets one per batch); off: one report per epoch."""
         return self._set("reports_per_epoch", n)
 
     def record_log(self, directory: str, max_bytes: int = 0) -> TrainerBuilder:

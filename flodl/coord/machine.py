@@ -635,6 +635,7 @@ class Coordinator:
         self.dispatch.on_batch(batch)
         self.last_progress_at = now
         self.averaging.on_batch(batch)
+        self.reporting.on_batch(batch, self.dispatch.works.get(batch.epoch), now, self.elche, out)
         self.averaging.throttle_leaders(out)
         training = self.phase is RunPhase.TRAINING
         if training and self.progressive and self.dispatch.in_flight(rank) == 0:
@@ -703,16 +704,11 @@ class Coordinator:
             )
         if self.elche.anchor != old_anchor:
             out.append(Record("root", "anchor", {"from": old_anchor, "to": self.elche.anchor}))
-        self.reporting.maybe_report(
-            self.dispatch.current(),
-            windows,
+        self.reporting.after_cycle(
             sync_ms=sync_ms,
-            now=now,
-            elche=self.elche,
             syncs=averaging.sync_rounds,
             d_raw=averaging.last_d_raw,
             telemetry=self.guard.telemetry(),
-            out=out,
         )
 
     # =========================================================================================

@@ -7,8 +7,9 @@ Pure module. Rules (docs/design.md §2, §7):
   are a per-rank mean (sum / count) then batch-weighted across ranks; ``epoch_ms`` is the
   coordinator's wall clock from the epoch's first dispatch to its last commit (ranks' clocks are
   never compared); per-rank throughput is samples per second of that rank's share time.
-* sub-epoch reports (``reports_per_epoch = n``) fire at the first reduce boundary past each
-  ``1/n`` slice of an epoch's work, at most n per epoch, and build a path-keyed node tree
+* sub-epoch reports (``reports_per_epoch = n``) fire at the first batch past each ``1/n``
+  slice of an epoch's work, n per epoch (:mod:`flodl.coord.reporting`), and build a
+  path-keyed node tree
   root → host → rank (root → rank on one host). Interior nodes aggregate their *direct
   children*: ``loss`` work-weighted mean, ``throughput`` sum, ``compute_only_ms`` work-weighted
   mean, ``data_starve_ms`` max; a metric a rank did not measure is absent, never zero.
@@ -193,26 +194,29 @@ class WindowStats:
 
 
 class ReportScheduler:
-    """Fires ≤ n sub-epoch reports per epoch at reduce boundaries past each 1/n slice."""
+    """Fires ≤ n sub-epoch reports per epoch, one per call at most, each at the first call
+    past the next 1/n slice (epochs counted apart: two may be open at once)."""
 
     def __init__(self, reports_per_epoch: int | None) -> None:
         self.n = reports_per_epoch
-        self._epoch = -1
-        self._fired = 0
+        self._fired: dict[int, int] = {}
 
     def due(self, epoch: int, done_batches: int, epoch_batches: int) -> bool:
-        """Called at each reduce boundary; True when a report should be emitted now."""
+        """Called at each trained batch; True when a report should be emitted now."""
         if self.n is None:
             return False
-        if epoch != self._epoch:
-            self._epoch, self._fired = epoch, 0
-        if self._fired >= self.n or epoch_batches <= 0:
+        fired = self._fired.get(epoch, 0)
+        if fired >= self.n or epoch_batches <= 0:
             return False
-        threshold = (self._fired + 1) * epoch_batches / self.n
+        threshold = (fired + 1) * epoch_batches / self.n
         if done_batches + 1e-9 >= threshold:
-            self._fired += 1
+            self._fired[epoch] = fired + 1
             return True
         return False
+
+    def forget(self, epoch: int) -> None:
+        """The epoch closed."""
+        self._fired.pop(epoch, None)
 
 
 def node_paths(world_size: int, hosts: Sequence[str] | None) -> list[str]:

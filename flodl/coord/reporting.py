@@ -1,16 +1,25 @@
 """Reporting: what the coordinator tells the observers when an epoch closes and, with
-``reports_per_epoch``, at reduce boundaries inside an epoch (docs/design.md §7).
+``reports_per_epoch``, inside an epoch (docs/design.md §7).
 
 Pure module. The arithmetic lives in :mod:`flodl.coord.metrics`; this module turns a closed
-epoch or a finished window into effects: ``epoch_aggregated`` to every live rank, the ``epoch``
-record (batch counts, heartbeat ages, ElChe's phase) and :class:`~flodl.coord.effects.EpochDone`
-after it (sinks merge the two), and the sub-epoch ``node`` records of the root → host → rank
-tree.
+epoch or the epoch's progress into effects: ``epoch_aggregated`` to every live rank, the
+``epoch`` record (batch counts, heartbeat ages, ElChe's phase) and
+:class:`~flodl.coord.effects.EpochDone` after it (sinks merge the two), and the sub-epoch
+``node`` records of the root → host → rank tree.
+
+Sub-epoch reports (``reports_per_epoch = n``) follow the ``batch`` frames the ranks already
+send, not the averaging cycles: the ``k``-th report of an epoch fires at the batch that brings
+the epoch's trained batches to ``k/n`` of the batches this run trains in it, so every epoch
+gets exactly ``n`` (one per batch at most: an epoch of fewer than ``n`` batches gets one per
+batch), however few averaging cycles it has. A report's rank nodes cover the batches since the
+previous report (none for a rank that is not alive at the report); its engine numbers
+(``sync_ms``, ``d_raw``, ``lambda_ema``) are the last finalized cycle's. (At reduce
+boundaries, a cadence window that grew past ``1/n`` of an epoch gave it fewer than ``n``.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from flodl.config import CoordConfig
@@ -26,7 +35,7 @@ from flodl.coord.metrics import (
     node_paths,
     window_records,
 )
-from flodl.wire.frames import EpochAggregated, Metrics
+from flodl.wire.frames import Batch, EpochAggregated, Metrics
 
 __all__ = ["Reporting"]
 
@@ -45,6 +54,12 @@ class Reporting:
         self.aggregator = EpochAggregator(config.world_size, dict(config.scalar_reductions))
         self.reports = ReportScheduler(config.reports_per_epoch)
         self.paths = node_paths(config.world_size, config.hosts)
+        self._since = [WindowStats() for _ in range(config.world_size)]
+        """Each rank's batches since the last sub-epoch report."""
+        self._trained: dict[int, int] = {}
+        """Batches trained per open epoch (redone ones included), for the report schedule."""
+        self._cycle: dict[str, Any] = {"syncs": 0}
+        """The last finalized cycle's engine numbers (``sync_ms``, ``d_raw``, ``lambda_ema``)."""
 
     def on_metrics(self, frame: Metrics) -> None:
         self.aggregator.add(frame)
@@ -54,6 +69,8 @@ class Reporting:
     ) -> None:
         """An epoch's every batch is committed: its metrics to the ranks and the observers."""
         epoch = closed.epoch
+        self._trained.pop(epoch, None)
+        self.reports.forget(epoch)
         if not closed.coverage.ok:
             out.append(
                 Alert(
@@ -88,41 +105,47 @@ class Reporting:
         )
         out.append(EpochDone(metrics))  # after its record: sinks merge the two
 
-    def maybe_report(
-        self,
-        work: EpochWork | None,
-        windows: Sequence[WindowStats],
-        *,
-        sync_ms: float,
-        now: float,
-        elche: ElChe,
-        syncs: int,
-        d_raw: float | None,
-        telemetry: Mapping[str, Any],
-        out: list[Effect],
+    def after_cycle(
+        self, *, sync_ms: float, syncs: int, d_raw: float | None, telemetry: Mapping[str, Any]
     ) -> None:
-        """The sub-epoch report of a finished window, when one is due."""
+        """A cycle finalized: its engine numbers go into the sub-epoch reports that follow."""
+        if self.config.reports_per_epoch is None:
+            return
+        self._cycle = {"sync_ms": sync_ms, "syncs": syncs}
+        if d_raw is not None:
+            self._cycle["d_raw"] = d_raw
+        if "lambda_ema" in telemetry:
+            self._cycle["lambda_ema"] = telemetry["lambda_ema"]
+
+    def on_batch(
+        self, batch: Batch, work: EpochWork | None, now: float, elche: ElChe, out: list[Effect]
+    ) -> None:
+        """A trained batch (of ``work``'s epoch): the sub-epoch report it completes, if any."""
         if self.config.reports_per_epoch is None or work is None:
             return
-        world = self.config.world_size
-        committed = sum(work.committed(r) for r in range(world))
-        if not self.reports.due(work.epoch, committed, work.total_batches):
+        self._since[batch.rank].add(
+            batch.batch_ms, batch.data_ms, batch.loss, self.config.batch_size
+        )
+        epoch = work.epoch
+        trained = self._trained.get(epoch, 0) + 1
+        self._trained[epoch] = trained
+        if not self.reports.due(epoch, trained, work.work_batches):
             return
+        world = self.config.world_size
+        done = work.total_batches - work.work_batches + sum(work.done(r) for r in range(world))
         shares = elche.recent_batch_share()
-        nodes = {r: windows[r].node(shares[r]) for r in range(world)}
+        alive, empty = self.membership.is_alive, WindowStats()
+        # a rank that died since the last report reports nothing measured (absent, not zero)
+        nodes = {r: (self._since[r] if alive(r) else empty).node(shares[r]) for r in range(world)}
+        self._since = [WindowStats() for _ in range(world)]
         engine: dict[str, Any] = {
-            "epoch": work.epoch,
-            "epoch_progress": committed / max(1, work.total_batches),
+            "epoch": epoch,
+            "epoch_progress": min(1.0, done / max(1, work.total_batches)),
             "anchor": elche.anchor,
-            "sync_ms": sync_ms,
-            "batch_counts": elche.batch_counts,
-            "syncs": syncs,
+            "batch_counts": list(elche.batch_counts),
             "heartbeat_age_s": self.membership.heartbeat_ages(now),
             "ranks": self.membership.alive_count(),
+            **self._cycle,
         }
-        if d_raw is not None:
-            engine["d_raw"] = d_raw
-        if "lambda_ema" in telemetry:
-            engine["lambda_ema"] = telemetry["lambda_ema"]
         for path, node in window_records(nodes, self.paths, engine):
             out.append(Record(path, "node", node))

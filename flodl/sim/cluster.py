@@ -45,6 +45,7 @@ from flodl.coord.effects import (
     RankDead,
     RankLeft,
     RankRejoined,
+    Record,
     Reply,
     RunOver,
     Send,
@@ -150,6 +151,7 @@ class SimCluster:
         min_world_size: training starts once this many ranks joined (``None``: all).
         join_at: the virtual time each rank says ``hello`` (``None``: all at 0); with
             ``min_world_size``, ranks that come after the formation join the running run.
+        reports_per_epoch: the coordinator's sub-epoch reports (``SimTrace.reports``).
     """
 
     def __init__(
@@ -178,6 +180,7 @@ class SimCluster:
         resume: ResumeState | None = None,
         min_world_size: int | None = None,
         join_at: Sequence[float] | None = None,
+        reports_per_epoch: int | None = None,
     ) -> None:
         if len(speeds) != world_size:
             raise ValueError(f"speeds has {len(speeds)} entries for world_size {world_size}")
@@ -195,6 +198,7 @@ class SimCluster:
             min_world_size=min_world_size,
             max_failure=max_failure,
             has_epoch_fn=epoch_fn_ms > 0,
+            reports_per_epoch=reports_per_epoch,
         )
         self._job = self.config.job_spec()
         self.traits = self.config.elche.traits
@@ -369,6 +373,8 @@ class SimCluster:
                     self.trace.coverage_ok.append(cov is not None and cov.ok)
                 case Alert(cls=cls, detail=detail):
                     self.trace.alerts.append((self.now, cls, detail))
+                case Record(path="root", kind="node", data=data):
+                    self.trace.reports.append((self.now, data["epoch"], data["epoch_progress"]))
                 case RunOver(ok=ok, reason=reason, save_reason=save):
                     self.trace.ok, self.trace.reason, self.trace.save_reason = ok, reason, save
                 case _:

@@ -58,6 +58,8 @@ class SimTrace:
     """(virtual time, rank, reason) of every rejoin it refused."""
     alerts: list[tuple[float, str, str]] = field(default_factory=list)
     """(virtual time, class, detail) of every alert the coordinator raised."""
+    reports: list[tuple[float, int, float]] = field(default_factory=list)
+    """(virtual time, epoch, epoch_progress) of every sub-epoch report (``reports_per_epoch``)."""
     digest: str = ""
     steps: int = 0
 

@@ -231,3 +231,18 @@ def test_an_lr_cliff_from_the_schedule_halves_the_anchor() -> None:
         "LR meta-controller nudged the anchor down ×0.5 (LR cliff 0.1 → 0.01)"
     ]
     assert not [a for a in steady.alerts + gentle.alerts if a[1] == "drift"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reports_per_epoch_gives_every_epoch_that_many_reports_however_few_its_cycles(
+    mode: str,
+) -> None:
+    # fast ranks on a small epoch: ElChe grows the cadence window past a quarter of an epoch
+    s = SimCluster(2, mode, [1.0, 1.0], dataset_len=2048, batch_size=32, epochs=3, seed=1,
+                   reports_per_epoch=4)  # fmt: skip
+    tr = s.run()
+    assert tr.ok, tr.reason
+    per_epoch = [[p for _, e, p in tr.reports if e == epoch] for epoch in range(3)]
+    assert per_epoch == [[0.25, 0.5, 0.75, 1.0]] * 3, per_epoch
+    if mode in ("cpu_cadence", "nccl_cadence"):
+        assert tr.cycles < 3 * 4  # fewer averaging rounds than reports: reports follow batches

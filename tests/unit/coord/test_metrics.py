@@ -254,3 +254,12 @@ def test_window_records_are_copies() -> None:
     records = window_records({0: node}, ["root/rank0"], {})
     records[0][1]["loss"] = 99.0
     assert node["loss"] == 1.0
+
+
+def test_reports_count_two_open_epochs_apart_and_forget_a_closed_one() -> None:
+    sched = ReportScheduler(2)
+    assert sched.due(0, 50, 100)
+    assert sched.due(1, 50, 100)  # epoch 1's batches do not reset epoch 0's count
+    assert sched.due(0, 100, 100) and not sched.due(0, 100, 100)
+    sched.forget(0)
+    assert sched.due(0, 50, 100)  # a forgotten epoch starts over
