@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from flodl import checkpoint
+from flodl.coord.metrics import ReportScheduler, WindowStats
 from flodl.coord.resume import META_SCHEMA_VERSION, bundle_tag
 from flodl.errors import CheckpointError, FlodlError
 from flodl.rank.snapshot import TrainedState, model_signature
@@ -55,6 +56,14 @@ class LocalSchedule:
     eval_every: int | None = None
     eval_result_fn: Callable[[int, float], None] | None = None
     metrics_fn: Callable[[EpochMetrics], None] | None = None
+    reports_per_epoch: int | None = None
+    """Sub-epoch reports (to ``on_report``), as the coordinator's: the ``k``-th at ``k/n`` of
+    the epoch's batches."""
+
+
+SubEpochReport = Callable[[int, float, dict[str, float]], None]
+"""``(epoch, epoch_progress, node)``: a sub-epoch report of the one rank (its batches since the
+previous report, as :meth:`~flodl.coord.metrics.WindowStats.node` builds it)."""
 
 
 class LocalRun:
@@ -65,6 +74,7 @@ class LocalRun:
         job: what to train.
         schedule: callbacks and saves.
         on_metrics: receives every epoch's :class:`EpochMetrics` (after ``metrics_fn``).
+        on_report: receives the sub-epoch reports (``reports_per_epoch``).
 
     Raises:
         CheckpointError: ``resume_from`` names a missing, corrupt or foreign bundle.
@@ -75,10 +85,17 @@ class LocalRun:
         job: TrainJob,
         schedule: LocalSchedule,
         on_metrics: Callable[[EpochMetrics], None] | None = None,
+        on_report: SubEpochReport | None = None,
     ) -> None:
         self.job = job
         self.schedule = schedule
         self.on_metrics = on_metrics
+        self.on_report = on_report if schedule.reports_per_epoch is not None else None
+        self._reports = ReportScheduler(schedule.reports_per_epoch)
+        self._since = WindowStats()
+        self._epoch = (0, 0, 0)
+        """The epoch being trained: (index, its batches, the batches this run trains of it)."""
+        self._trained = 0
         self.device = torch.device(schedule.device)
         torch.manual_seed(job.seed)
         self.model: torch.nn.Module = job.model_factory(self.device)
@@ -140,7 +157,10 @@ class LocalRun:
             data_pass, start, _ = epoch_slice(epoch, self.space, job.epoch_splits)
             perm = permutation(self.space, data_pass, job.seed)
             self._sums = StepSums()
-            for b in self._epoch_batches(epoch):
+            todo = self._epoch_batches(epoch)
+            total = epoch_batches(epoch, self.space, bs, job.epoch_splits)
+            self._epoch, self._trained = (epoch, total, len(todo)), 0
+            for b in todo:
                 t0 = time.perf_counter()
                 batch = fetch_batch(job, perm[start + b * bs : start + (b + 1) * bs], self.device)
                 t1 = time.perf_counter()
@@ -167,9 +187,22 @@ class LocalRun:
         sums = self._sums
         sums.batches += 1
         sums.loss_sum += value
-        sums.compute_ms += (time.perf_counter() - t1) * 1000.0
+        compute_ms = (time.perf_counter() - t1) * 1000.0
+        sums.compute_ms += compute_ms
         sums.data_ms += (t1 - t0) * 1000.0
+        if self.on_report is not None:
+            self._report(compute_ms, (t1 - t0) * 1000.0, value)
         return value
+
+    def _report(self, compute_ms: float, data_ms: float, loss: float) -> None:
+        assert self.on_report is not None
+        self._since.add(compute_ms, data_ms, loss, self.job.batch_size)
+        self._trained += 1
+        epoch, total, todo = self._epoch
+        if self._reports.due(epoch, self._trained, todo):
+            node, self._since = self._since.node(1.0), WindowStats()
+            progress = min(1.0, (total - todo + self._trained) / max(1, total))
+            self.on_report(epoch, progress, node)
 
     def train(self, batch: list[torch.Tensor]) -> float:
         """The framework's step: ``train_step`` gives the loss (``record_scalar`` counts)."""

@@ -347,6 +347,7 @@ def _local_schedule(c: TrainerConfig) -> LocalSchedule:
         eval_every=c.eval_every,
         eval_result_fn=c.eval_result_fn,
         metrics_fn=c.metrics_fn,
+        reports_per_epoch=c.reports_per_epoch,
     )
 
 
@@ -383,7 +384,8 @@ def _train_single(job: TrainJob, c: TrainerConfig, handle: TrainerHandle) -> Tra
         handle._push(m)
 
     try:
-        return LocalRun(job, _local_schedule(c), on_metrics=on_metrics).run()
+        on_report = monitor.sub_epoch_report if monitor is not None else None
+        return LocalRun(job, _local_schedule(c), on_metrics=on_metrics, on_report=on_report).run()
     finally:
         if monitor is not None:
             monitor.close()

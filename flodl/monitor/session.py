@@ -168,6 +168,13 @@ class MonitorSession:
         for rec in self.lane.offer(cls, path, detail, sev=sev, now=time.monotonic()):
             self.publish(rec)
 
+    def sub_epoch_report(self, epoch: int, progress: float, node: dict[str, float]) -> None:
+        """The single-device tier's sub-epoch report (``reports_per_epoch``): ``node`` is its
+        one rank's batches since the previous report; the coordinator's come as records."""
+        engine = {"epoch": epoch, "epoch_progress": progress, "ranks": 1, "syncs": 0}
+        for path, data in window_records({0: node}, self.paths, engine, self.reductions):
+            self.record(path, "node", data)
+
     def epoch(self, m: EpochMetrics, root_extra: Mapping[str, Any] | None = None) -> None:
         """An aggregated epoch: an ``epoch`` record, and (without sub-epoch reports) one node
         report per rank, host and root built from it."""

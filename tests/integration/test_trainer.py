@@ -111,6 +111,29 @@ def test_single_process_tier_tags_each_eval_with_its_epoch_and_runs_the_final_on
     assert got == [1, 3]  # 0-based like EpochMetrics; the last epoch's eval is the final one
 
 
+@pytest.mark.timeout(120)
+def test_single_process_tier_gives_each_epoch_its_sub_epoch_reports(tmp_path: Path) -> None:
+    from flodl.monitor.records import read_tree
+
+    handle = (
+        Trainer.builder(model, optim, step)
+        .dataset(data(640))  # 20 batches an epoch
+        .batch_size(32)
+        .num_epochs(2)
+        .record_log(str(tmp_path / "records"))
+        .reports_per_epoch(4)
+        .run()
+    )
+    handle.join(timeout=60)
+    tree = read_tree(tmp_path / "records")
+    roots = [r["data"] for r in tree["root"] if r["kind"] == "node"]
+    assert [(d["epoch"], d["epoch_progress"]) for d in roots] == [
+        (e, p) for e in (0, 1) for p in (0.25, 0.5, 0.75, 1.0)
+    ]
+    ranks = [r["data"] for r in tree["root/rank0"] if r["kind"] == "node"]
+    assert [d["steps"] for d in ranks] == [5.0] * 8 and all(d["loss"] > 0 for d in ranks)
+
+
 @pytest.mark.timeout(150)
 def test_local_ranks_tier_runs_the_same_script_and_leaves_no_process() -> None:
     tag = f"flodl-test-{uuid.uuid4().hex}"
