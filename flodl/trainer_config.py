@@ -92,7 +92,7 @@ class TrainerConfig(BaseModel):
     outer_optimizer: OuterConfig = Field(default_factory=OuterConfig)
     """``OuterAvg()`` (default), ``SlowMomentum(lr, mu)`` or ``NesterovMomentum(lr, mu)``."""
     reports_per_epoch: Annotated[int, Field(ge=1, le=1000)] | None = None
-    """Up to n sub-epoch node reports per epoch at reduce boundaries (off: one per epoch)."""
+    """n sub-epoch node reports per epoch, one after each 1/n of its batches (off: one)."""
     record_log: str | None = None
     """Directory of the JSONL record tree (``root.log``, ``root/<host>/rank<N>.log``)."""
     record_log_max_bytes: Annotated[int, Field(ge=0)] = 0
@@ -232,7 +232,7 @@ def monitor_session(
         save_dashboard=c.save_dashboard,
         theme=c.dashboard_theme,
         progress=progress,
-        sub_epoch_reports=c.reports_per_epoch is not None and world > 1,
+        sub_epoch_reports=c.reports_per_epoch is not None,
         scalar_reductions={k: str(v) for k, v in c.scalar_reductions.items()},
         run_info={
             "mode": c.elche.mode,
