@@ -3,7 +3,8 @@
 The same ``Trainer`` call as every other tier; the coordinator's address and secret come from
 ``FLODL_COORD`` / ``FLODL_SECRET_FILE``, the rank from the launcher (``RANK``/``WORLD_SIZE``,
 ``SLURM_PROCID``/``SLURM_NTASKS`` or ``FLODL_RANK``/``FLODL_WORLD_SIZE``). Here ``run()``
-returns in every rank: ``handle.is_primary`` picks the one that reports.
+trains in the calling thread and returns, in every rank, once the rank is done (it raises what
+ended the rank, such as ``CoordinatorLost``): ``handle.is_primary`` picks the one that reports.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """What ``Trainer.run()`` returns on every tier: a handle to join the run and stream its
-per-epoch metrics."""
+per-epoch metrics. In tiers 1-3 it comes back at once, the run still going; on a rank started
+by another launcher (tier 4) ``run()`` returns it only once the rank is done, finished (its
+``join()`` returns the state, or raises ``TrainingStopped``, at once)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ __all__ = ["TrainerHandle", "training_stopped"]
 
 
 class TrainerHandle:
-    """What ``run()`` returns: ``join()`` the final state, stream :class:`EpochMetrics`."""
+    """What ``run()`` returns: ``join()`` the final state, stream :class:`EpochMetrics`
+    (already finished on a tier-4 rank, whose ``run()`` trained in the calling thread)."""
 
     def __init__(self, world_size: int, *, is_primary: bool = True) -> None:
         self.world_size = world_size

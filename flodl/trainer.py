@@ -3,7 +3,10 @@
 ``run()`` decides the process's role from the environment (the trampoline, docs/design.md §2c):
 
 * a rank (``FLODL_RANK``, or torchrun's / SLURM's variables with ``FLODL_COORD``): it trains
-  until the coordinator ends the run (:mod:`flodl.launch.child`);
+  in the calling thread until the coordinator ends the run (:mod:`flodl.launch.child`); then
+  a rank started by another launcher (tier 4) returns a finished handle, having raised at once
+  whatever ended the rank (``CoordinatorLost``, a failing ``train_step``), and a child of
+  flodl's own launcher exits instead of returning;
 * a cluster is configured (``local_ranks``, ``cluster``, ``flodl launch``, or two or more GPUs
   with ``device="cuda"``): this process becomes the launcher (:mod:`flodl.launch.launcher`) and
   returns a handle at once;

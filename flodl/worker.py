@@ -13,7 +13,9 @@ two batches :meth:`Worker.batches` obeys it exactly as the framework's own loop 
 
 The role of the process decides what a Worker is, as for ``Trainer.run()``:
 
-* **a rank** (``FLODL_RANK`` set): the loop trains this rank's share; :meth:`Worker.finish`
+* **a rank** (``FLODL_RANK``, or torchrun's / SLURM's variables with ``FLODL_COORD``): the
+  Worker comes back once the rank has joined the coordinator, and its loop (not
+  ``into_worker()``) trains this rank's share; :meth:`Worker.finish`
   sends the final state and — in a child spawned by flodl's launcher — exits the process (code
   after ``finish()`` runs once, in the launcher);
 * **the launcher** (a cluster or ``local_ranks`` configured): it starts the coordinator and the

@@ -71,7 +71,17 @@ def rank_spec(heartbeat_timeout: float, save_path: str | None = None) -> RankSpe
 
 
 def run_as_rank(job: TrainJob, heartbeat_timeout: float) -> TrainerHandle:
-    """Train as this process's rank; a launched child never returns (it exits)."""
+    """Train as this process's rank, in the calling thread; a launched child never returns
+    (it exits).
+
+    Returns:
+        A finished handle (tier 4: a rank started by torchrun, SLURM or by hand): ``join()``
+        returns the final state, or raises ``TrainingStopped`` after a ShutdownWithSave.
+
+    Raises:
+        CoordinatorLost: the coordinator went silent or the connection broke.
+        FlodlError: whatever else ended the rank (a failing ``train_step`` raises as is).
+    """
     spec = rank_spec(heartbeat_timeout, job.save_path)
     launched = is_launched()
     try:
