@@ -243,11 +243,9 @@ MAX_SCALARS = 256
 """Most user scalars (``record_scalar`` names): declared reductions, or in one metrics frame."""
 
 
-class JobSpec(_Config):
-    """What the ranks train: the part of a run's configuration that each rank's own
-    ``TrainerConfig`` decides. Every rank sends it in its ``hello``; the first rank's defines
-    the job of a standalone coordinator and every later rank must bring the same
-    (docs/design.md §2c, "The ranks bring the job")."""
+class _JobFields(_Config):
+    """The fields a rank's own ``TrainerConfig`` decides, shared by :class:`JobSpec` (what a
+    rank's hello describes) and :class:`CoordConfig` (what the coordinator runs)."""
 
     dataset_len: Annotated[int, Field(ge=1)]
     batch_size: Annotated[int, Field(ge=1)] = DEFAULT_BATCH_SIZE
@@ -263,16 +261,28 @@ class JobSpec(_Config):
     checkpoint_every: Annotated[int, Field(ge=1)] | None = None
     checkpoint_at_epoch: Annotated[int, Field(ge=0)] | None = None
     has_eval: bool = False
-    eval_every: Annotated[int, Field(ge=1)] | None = None
     save_bundles: bool = False
+    """A ``save_path`` is set: checkpoints, ShutdownWithSave and the end of the run write a
+    bundle (model, optimizer states, meta)."""
+    eval_every: Annotated[int, Field(ge=1)] | None = None
     reports_per_epoch: Annotated[int, Field(ge=1, le=1000)] | None = None
     scalar_reductions: dict[str, Reduction] = Field(default_factory=dict, max_length=MAX_SCALARS)
+    """User scalar name → how it combines across ranks (default ``mean``)."""
+
+
+class JobSpec(_JobFields):
+    """What the ranks train: the part of a run's configuration that each rank's own
+    ``TrainerConfig`` decides. Every rank sends it in its ``hello``; the first rank's defines
+    the job of a standalone coordinator and every later rank must bring the same
+    (docs/design.md §2c, "The ranks bring the job")."""
+
     outer: OuterConfig = Field(default_factory=OuterConfig)
     save_path: Annotated[str, Field(max_length=MAX_STEM_CHARS)] | None = None
-    """The ranks' bundle stem (absolute), where a standalone coordinator with no
-    ``--save-path`` of its own writes the meta."""
+    """The ranks' bundle stem, as they wrote it: where a standalone coordinator with no
+    ``--save-path`` of its own writes the meta (a relative stem is read relative to the
+    coordinator's working directory)."""
     resume_from: Annotated[str, Field(max_length=MAX_STEM_CHARS)] | None = None
-    """The stem the ranks resume from (absolute), which such a coordinator reads."""
+    """The stem the ranks resume from, which such a coordinator reads."""
 
     def value(self, path: str) -> Any:
         """The value at a dotted field path (``"elche.mode"``)."""
@@ -299,12 +309,9 @@ def _difference(a: BaseModel, b: BaseModel, prefix: str) -> tuple[str, Any, Any]
     return None
 
 
-_JOB_ONLY = frozenset({"outer", "save_path", "resume_from"})
-"""JobSpec fields the coordinator's machine does not read."""
-
-
-class CoordConfig(_Config):
-    """Everything the pure coordinator needs to run one job."""
+class CoordConfig(_JobFields):
+    """Everything the pure coordinator needs to run one job: the job's fields, and what only
+    the coordinator decides."""
 
     world_size: Annotated[int, Field(ge=1, le=65_536)]
     """The run's ranks: every rank id is below it (with ``min_world_size``, the most ranks
@@ -312,31 +319,10 @@ class CoordConfig(_Config):
     min_world_size: Annotated[int, Field(ge=1, le=65_536)] | None = None
     """Training starts once this many ranks joined; the others may join while it trains
     (docs/design.md §2, "Late joins"). ``None``: ``world_size`` (every rank forms the run)."""
-    dataset_len: Annotated[int, Field(ge=1)]
-    batch_size: Annotated[int, Field(ge=1)] = DEFAULT_BATCH_SIZE
-    num_epochs: Annotated[int, Field(ge=1)] = 1
-    augment: Annotated[int, Field(ge=1)] = 1
-    epoch_splits: Annotated[int, Field(ge=1)] = 1
-    seed: int = SHUFFLE_BASE_SEED
-    elche: ElCheConfig = Field(default_factory=ElCheConfig)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     """Every deadline of the run, derived from the scaled heartbeat timeout."""
-    max_failure: MaxFailure | None = None
     progressive_dispatch: bool | None = None
     """``None``: automatic (Cadence/Async progressive, Sync whole-epoch partitions)."""
-    epoch_callback_policy: Literal["fastest"] | Annotated[int, Field(ge=0)] = "fastest"
-    has_epoch_fn: bool = False
-    has_checkpoint_fn: bool = False
-    checkpoint_every: Annotated[int, Field(ge=1)] | None = None
-    checkpoint_at_epoch: Annotated[int, Field(ge=0)] | None = None
-    has_eval: bool = False
-    save_bundles: bool = False
-    """A ``save_path`` is set: checkpoints, ShutdownWithSave and the end of the run write a
-    bundle (model, optimizer states, meta)."""
-    eval_every: Annotated[int, Field(ge=1)] | None = None
-    reports_per_epoch: Annotated[int, Field(ge=1, le=1000)] | None = None
-    scalar_reductions: dict[str, Reduction] = Field(default_factory=dict)
-    """User scalar name → how it combines across ranks (default ``mean``)."""
     run_id: str = "run"
     hosts: tuple[str, ...] | None = None
     """Host name per rank (for the record tree root → host → rank); ``None``: one host."""
@@ -382,7 +368,7 @@ class CoordConfig(_Config):
         Raises:
             ConfigError: the combination is invalid (the message names the field).
         """
-        fields = {n: getattr(job, n) for n in JobSpec.model_fields if n not in _JOB_ONLY}
+        fields = {n: getattr(job, n) for n in _JobFields.model_fields}
         return validated(
             cls,
             **fields,
@@ -395,7 +381,7 @@ class CoordConfig(_Config):
 
     def job_spec(self) -> JobSpec:
         """This run's job as a rank describes it (plain averaging, no bundle stems)."""
-        return JobSpec(**{n: getattr(self, n) for n in JobSpec.model_fields if n not in _JOB_ONLY})
+        return JobSpec(**{n: getattr(self, n) for n in _JobFields.model_fields})
 
     @property
     def index_space(self) -> int:
