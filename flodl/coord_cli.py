@@ -79,9 +79,15 @@ def _load_or_create_secret(path: str) -> bytes:
     """The run secret from ``path`` (hex, mode 0600), created there if missing."""
     if not os.path.exists(path):
         secret = secrets.token_bytes(32)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secret.hex() + "\n")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secret.hex() + "\n")
+        except OSError as exc:
+            raise ConfigError(
+                f"--secret-file {path} does not exist and cannot be created ({exc.strerror}): "
+                "give the path of an existing secret file, or a writable place for a new one"
+            ) from None
         return secret
     mode = stat.S_IMODE(os.stat(path).st_mode)
     if mode & 0o077:

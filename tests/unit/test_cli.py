@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,4 +81,32 @@ def test_sim_rejects_bad_input_with_a_clear_message(
     assert main(["sim", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("flodl sim: error:")
+    assert message in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--secret-file", "/proc/flodl/none"], "does not exist and cannot be created"),
+        (["--world-size", "0"], "world_size 0 must be in 1..65536"),
+        (["--mode", "warp"], "--mode 'warp': expected one of"),
+        (["--outer", "adam"], "--outer 'adam': expected avg"),
+        (["--port", "70000"], "--port 70000 must be in 0..65535"),
+        (["--port", "29400", "--data-port", "29400"], "--port and --data-port are both 29400"),
+        (["--max-restarts", "-1"], "--max-restarts -1 must be in 0..1000"),
+    ],
+    ids=["secret-unwritable", "world", "mode", "outer", "port", "same-ports", "restarts"],
+)
+def test_bad_coord_options_exit_2_naming_the_problem(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Every bad option of ``flodl coord`` is one line on stderr and exit 2, before anything
+    listens (a read-only secret volume with the wrong key used to end in a traceback)."""
+    base = {"--world-size": "2", "--secret-file": str(tmp_path / "secret")}
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        base[flag] = value
+    argv = ["coord", *[x for pair in base.items() for x in pair]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flodl coord: error: "), err
     assert message in err
