@@ -59,6 +59,7 @@ from flodl.checkpoint.meta import (
     Coverage,
     EpochCoverage,
     commit_bundle,
+    covered_samples,
     read_meta,
     resolve_tag,
     resume_state,
@@ -117,6 +118,7 @@ __all__ = [
     "read_meta",
     "resume_state",
     "uncovered_samples",
+    "covered_samples",
     # S.rank<N>.death.json
     "DEATH_SCHEMA_VERSION",
     "DeathRecord",

@@ -56,6 +56,7 @@ __all__ = [
     "read_meta",
     "resume_state",
     "uncovered_samples",
+    "covered_samples",
     "validation_problem",
 ]
 
@@ -378,6 +379,41 @@ def uncovered_samples(
         CheckpointError: ``dataset_len`` or ``augment`` give the epoch another size than the
             one saved (another dataset).
     """
+    found = _epoch_positions(meta, dataset_len, augment)
+    if found is None:
+        return None
+    order, ranges = found
+    return [order[i] for offset, size in ranges for i in range(offset, offset + size)]
+
+
+def covered_samples(
+    meta: CheckpointMeta, dataset_len: int, *, augment: int = 1
+) -> list[int] | None:
+    """The dataset indices of the epoch a resume restarts at (``meta.epoch``) that the saved
+    run had already trained, so that the resume skips: every whole batch of that epoch's
+    shuffle order outside the uncovered ranges, in shuffle order. With
+    :func:`uncovered_samples` it makes the whole epoch, each sample once per view.
+
+    Returns:
+        The indices, or ``None`` when the meta has no coverage entry for ``meta.epoch`` (it
+        restarts whole: nothing of it counts as trained).
+
+    Raises:
+        CheckpointError: as :func:`uncovered_samples`.
+    """
+    found = _epoch_positions(meta, dataset_len, augment)
+    if found is None:
+        return None
+    order, ranges = found
+    todo = {i for offset, size in ranges for i in range(offset, offset + size)}
+    return [sample for i, sample in enumerate(order) if i not in todo]
+
+
+def _epoch_positions(
+    meta: CheckpointMeta, dataset_len: int, augment: int
+) -> tuple[list[int], list[tuple[int, int]]] | None:
+    """The dataset index at each position of ``meta.epoch``'s whole batches, and its
+    uncovered ranges (sorted); None without a coverage entry for it."""
     cov, entry = meta.coverage, _resumed_entry(meta)
     if cov is None or entry is None:
         return None
@@ -394,11 +430,8 @@ def uncovered_samples(
             f"dataset of {dataset_len} (augment {augment}) gives it {whole}: another dataset"
         )
     perm = permutation(space, data_pass, cov.seed)
-    return [
-        pick_to_sample(perm[start + i], augment)[0]
-        for offset, size in sorted(entry.uncovered_ranges)
-        for i in range(offset, offset + size)
-    ]
+    order = [pick_to_sample(pick, augment)[0] for pick in perm[start : start + whole]]
+    return order, sorted((o, n) for o, n in entry.uncovered_ranges)
 
 
 def _resumed_entry(meta: CheckpointMeta) -> EpochCoverage | None:

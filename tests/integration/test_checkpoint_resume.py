@@ -15,16 +15,19 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from resume_runs import (
+    BS,
     REPO,
     SCRIPT,
     done,
     final_matches_bundle,
     forget_run,
     metrics,
+    rank_batches,
     run,
     split_epochs,
 )
@@ -81,6 +84,15 @@ def test_shutdown_with_save_then_resume_trains_each_uncovered_sample_once(tmp_pa
     trained_a = split_epochs(tmp_path / "a", ma, 3)
     for epoch in range(e):
         assert sorted(trained_a[epoch]) == list(range(n))  # finished epochs: exactly once
+    # the public map of the rest: what run A trained of epoch e and the resume skips
+    covered = checkpoint.covered_samples(meta, n)
+    assert covered is not None and sorted(covered + todo) == list(range(n))
+    in_e: Counter[int] = Counter()  # run A's batches past its finished epochs: epoch e's
+    for r in range(3):
+        before = sum(m["per_rank_samples"][r] for m in ma) // BS
+        for ids in rank_batches(tmp_path / "a", r)[before:]:
+            in_e.update(ids)
+    assert not Counter(covered) - in_e  # every covered sample was trained by run A
     assert (tmp_path / "ck.rank2.death.json").exists()
 
     # Run B resumes: the interrupted epoch trains only its uncovered samples, once each.

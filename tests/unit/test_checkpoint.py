@@ -1147,6 +1147,26 @@ def test_uncovered_ranges_map_to_the_dataset_indices_of_the_shuffle() -> None:
     assert got is not None and all(0 <= s < 41 for s in got) and len(got) == 8
 
 
+def test_covered_samples_are_the_rest_of_the_epoch_in_shuffle_order() -> None:
+    from flodl.sampling import epoch_slice, permutation
+
+    meta = _coverage_meta([(12, 8), (0, 4)], total=20)
+    data_pass, start, _ = epoch_slice(1, 41, 2)
+    perm = permutation(41, data_pass, 7)
+    assert ck.covered_samples(meta, 41) == [perm[start + i] for i in range(4, 12)]
+    todo = ck.uncovered_samples(meta, 41)
+    done = ck.covered_samples(meta, 41)
+    assert todo is not None and done is not None
+    # together: the epoch's whole batches (20 of its 20 or 21 picks), each sample once
+    assert sorted(todo + done) == sorted(perm[start + i] for i in range(20))
+    twice = _coverage_meta([(0, 8)], total=40)
+    got = ck.covered_samples(twice, 41, augment=2)
+    assert got is not None and len(got) == 32 and all(0 <= x < 41 for x in got)
+    assert ck.covered_samples(_coverage_meta([], total=20, entry_epoch=0), 41) is None
+    with pytest.raises(CheckpointError, match="another dataset"):
+        ck.covered_samples(_coverage_meta([(0, 4)], total=20), 100)
+
+
 def test_uncovered_samples_without_an_entry_and_for_another_dataset() -> None:
     # no entry for epoch 1: it restarts whole
     assert ck.uncovered_samples(_coverage_meta([], total=20, entry_epoch=0), 41) is None
