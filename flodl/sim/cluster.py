@@ -152,6 +152,8 @@ class SimCluster:
         join_at: the virtual time each rank says ``hello`` (``None``: all at 0); with
             ``min_world_size``, ranks that come after the formation join the running run.
         reports_per_epoch: the coordinator's sub-epoch reports (``SimTrace.reports``).
+        epoch_callback_policy: ``"fastest"`` or a pinned rank (``SimTrace.epoch_fns`` says
+            which rank ran each ``epoch_fn``).
     """
 
     def __init__(
@@ -181,6 +183,7 @@ class SimCluster:
         min_world_size: int | None = None,
         join_at: Sequence[float] | None = None,
         reports_per_epoch: int | None = None,
+        epoch_callback_policy: Literal["fastest"] | int = "fastest",
     ) -> None:
         if len(speeds) != world_size:
             raise ValueError(f"speeds has {len(speeds)} entries for world_size {world_size}")
@@ -199,6 +202,7 @@ class SimCluster:
             max_failure=max_failure,
             has_epoch_fn=epoch_fn_ms > 0,
             reports_per_epoch=reports_per_epoch,
+            epoch_callback_policy=epoch_callback_policy,
         )
         self._job = self.config.job_spec()
         self.traits = self.config.elche.traits
@@ -450,6 +454,7 @@ class SimCluster:
                 model = save.target_rank == r.rank
                 self._to_coord(BundleSaved(rank=r.rank, version=save.version, model=model))
             case RunEpochFn(epoch=epoch) if self.epoch_fn_s > 0:
+                self.trace.epoch_fns.append((self.now, epoch, r.rank))
                 r.busy = "callback"
                 r.busy_s += self.epoch_fn_s
                 self._push(self.now + self.epoch_fn_s, "callback_done", (r.rank, epoch))

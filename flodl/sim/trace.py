@@ -59,6 +59,8 @@ class SimTrace:
     alerts: list[tuple[float, str, str]] = field(default_factory=list)
     """(virtual time, class, detail) of every alert the coordinator raised."""
     reports: list[tuple[float, int, float]] = field(default_factory=list)
+    epoch_fns: list[tuple[float, int, int]] = field(default_factory=list)
+    """(virtual time, epoch, rank) of every ``epoch_fn`` a rank ran (with ``epoch_fn_ms``)."""
     """(virtual time, epoch, epoch_progress) of every sub-epoch report (``reports_per_epoch``)."""
     digest: str = ""
     steps: int = 0

@@ -73,3 +73,31 @@ def test_random_kill_and_rejoin_schedules_keep_exact_coverage(mode: str, seed: i
     assert tr.ok, tr.reason
     assert tr.coverage_ok == [True, True, True]
     assert len(tr.rejoins) == len(tr.deaths)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_pinned_callback_rank_lends_epoch_fn_while_dead_and_takes_it_back(mode: str) -> None:
+    # EpochCallbackPolicy.Rank(2); rank 1 is the fastest survivor, rank 0 the lowest. Rank 2
+    # is away 10 s, long enough for an epoch to end without it in every mode.
+    s = sim(
+        mode,
+        [20.0, 5.0, 10.0],
+        [Failure(2, 3.0, "kill"), Failure(2, 13.0, "rejoin")],
+        epochs=6, epoch_fn_ms=1.0, epoch_callback_policy=2,
+    )  # fmt: skip
+    tr = s.run()
+    assert tr.ok, tr.reason
+    [(died, _, _)] = tr.deaths
+    moved = [(t, d) for t, c, d in tr.alerts if c == "callback_roles_moved"]
+    assert len(moved) == 2 and moved[0][1].startswith("pinned rank 2 died")
+    back_at, back = moved[1]
+    assert back == "pinned rank 2 holds the consensus again: callback roles back on it"
+    assert [e for _, e, _ in tr.epoch_fns] == list(range(6))  # one per epoch, none lost
+    before = [r for t, _, r in tr.epoch_fns if t < died]
+    during = [r for t, _, r in tr.epoch_fns if died < t < back_at]
+    after = [r for t, _, r in tr.epoch_fns if t > back_at]
+    assert set(before) <= {2}  # the pinned rank while it lives
+    assert during and len(set(during)) == 1 and 2 not in during  # one survivor holds them
+    if "sync" not in mode:  # (in simulated Sync runs only rank 0 has a speed reading)
+        assert set(during) == {1}  # the fastest survivor, not the lowest (rank 0)
+    assert after and set(after) == {2}  # back on the pinned rank once it has the consensus
