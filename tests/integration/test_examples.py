@@ -88,7 +88,7 @@ def test_cooperative_worker_example_saves_and_resumes(tmp_path: Path) -> None:
     stem = str(tmp_path / "ckpt")
     first = run(sys.executable, "examples/cooperative_worker.py", "--epochs", "1", "--save", stem)
     assert first.returncode == 0, first.stderr[-2000:]
-    assert "eval after epoch 1:" in first.stdout
+    assert "eval after epoch 0:" in first.stdout  # epochs are 0-based, the final eval too
     assert "done: 4 parameter tensors, world 2" in first.stdout
     again = run(
         sys.executable,
@@ -96,4 +96,4 @@ def test_cooperative_worker_example_saves_and_resumes(tmp_path: Path) -> None:
         *("--epochs", "2", "--save", stem, "--resume", stem),
     )
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "eval after epoch 2:" in again.stdout and "eval after epoch 0" not in again.stdout
+    assert "eval after epoch 1:" in again.stdout and "eval after epoch 0" not in again.stdout
