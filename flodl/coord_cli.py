@@ -22,9 +22,9 @@ from pathlib import Path
 from flodl import checkpoint
 from flodl.config import MODES, OuterConfig, validated
 from flodl.coord.effects import BundleRequested, WriteMeta
-from flodl.errors import ConfigError
+from flodl.errors import CheckpointError, ConfigError
 from flodl.launch.env import timeout_scale
-from flodl.service.bundles import BundleWriter
+from flodl.service.bundles import BundleWriter, read_bundle
 from flodl.service.coordinator import CoordinatorService
 from flodl.service.server import LoggingSink
 from flodl.service.standalone import Assertion, DefinedJob, JobTerms
@@ -161,7 +161,9 @@ def run_coord(args: argparse.Namespace) -> int:
         if not 0 <= args.max_restarts <= 1000:
             raise ConfigError(f"--max-restarts {args.max_restarts} must be in 0..1000")
         secret = _load_or_create_secret(args.secret_file)
-    except ConfigError as exc:
+        if args.resume_from is not None:
+            read_bundle(checkpoint.normalize_stem(args.resume_from))  # a bad one fails now
+    except (ConfigError, CheckpointError) as exc:
         print(f"flodl coord: error: {exc}", file=sys.stderr)
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -66,8 +66,10 @@ ENV_TIMEOUT_SCALE = "FLODL_NET_TIMEOUT_SCALE"
 ENV_LOCAL_HOSTS = "FLODL_LOCAL_HOSTS"
 ENV_PREFIX_OUTPUT = "FLODL_PREFIX_OUTPUT"
 ENV_RESTART = "FLODL_RESTART_COUNT"
-"""How many times the launcher restarted this rank's process (0, or absent, for the first);
-the rank rejoins the run as its next incarnation (docs/design.md §2, "Rejoin")."""
+"""How many times the launcher restarted this rank's process (0, or absent, for the first),
+for the user's script: flodl reads it nowhere, since a restarted rank rejoins the running run
+as its next incarnation without it (the coordinator counts incarnations, docs/design.md §2,
+"Rejoin")."""
 ENV_RESPAWN = "FLODL_RESPAWN"
 """Set by ``flodl launch --respawn N`` for the launcher it runs (``TrainerConfig.respawn``)."""
 

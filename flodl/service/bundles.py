@@ -78,6 +78,25 @@ class BundleWriter:
         logger.info("checkpoint %s saved (%s)", self.stem, effect.reason)
 
 
+def read_bundle(stem: str) -> checkpoint.CheckpointMeta:
+    """The meta of the bundle at ``stem``, checked against its model file (what can be checked
+    before the job is known: ``flodl coord --resume-from`` fails at its start on a bad bundle).
+
+    Raises:
+        CheckpointError: missing/corrupt files, or a model file from another save than the
+            meta.
+    """
+    meta = checkpoint.read_meta(stem)
+    bundle = checkpoint.load_model(stem, meta.bundle_tag)
+    if bundle.global_step != meta.global_step:
+        raise CheckpointError(
+            f"{bundle.path} is from global step {bundle.global_step} but "
+            f"{checkpoint.meta_path(stem)} from {meta.global_step}: the two come from "
+            "different saves"
+        )
+    return meta
+
+
 def resume_from_bundle(
     stem: str, coord_cfg: CoordConfig
 ) -> tuple[ResumeState, dict[str, list[torch.Tensor]] | None]:
@@ -89,7 +108,7 @@ def resume_from_bundle(
             a model file from another save than the meta (the world size may differ:
             docs/design.md §6, "Resume at another world size").
     """
-    meta = checkpoint.read_meta(stem)
+    meta = read_bundle(stem)
     state = checkpoint.resume_state(
         meta,
         seed=coord_cfg.seed,
@@ -98,13 +117,6 @@ def resume_from_bundle(
         total_epochs=coord_cfg.total_epochs,
     )
     tag = meta.bundle_tag
-    bundle = checkpoint.load_model(stem, tag)
-    if bundle.global_step != meta.global_step:
-        raise CheckpointError(
-            f"{bundle.path} is from global step {bundle.global_step} but "
-            f"{checkpoint.meta_path(stem)} from {meta.global_step}: the two come from "
-            "different saves"
-        )
     outer = None
     if coord_cfg.elche.traits.cpu_averaging:
         try:
