@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from flodl import ElCheConfig, TensorBatchDataset, Trainer, TrainerConfig
+from tiny_job import train
 
 
 def main() -> None:
@@ -51,24 +50,14 @@ def main() -> None:
             time.sleep(args.slow_ms / 1000.0)
         return F.cross_entropy(model(batch[0]), batch[1])
 
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(args.samples, 16, generator=g)
-    y = (x @ torch.randn(16, 4, generator=g)).argmax(dim=1)
-    handle = Trainer.run(
-        lambda device: torch.nn.Sequential(
-            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
-        ),
-        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    handle = train(
         loss_fn,
-        TrainerConfig(
-            dataset=TensorBatchDataset(x, y),
-            batch_size=32,
-            num_epochs=args.epochs,
-            elche=ElCheConfig.preset(args.mode),
-            save_path=args.save,
-            resume_from=args.save if args.resume_if_saved and saved else args.resume,
-            checkpoint_every=args.checkpoint_every,
-        ),
+        samples=args.samples,
+        epochs=args.epochs,
+        mode=args.mode,
+        save_path=args.save,
+        resume_from=args.save if args.resume_if_saved and saved else args.resume,
+        checkpoint_every=args.checkpoint_every,
     )
     state = handle.join()
     out = Path(args.out)

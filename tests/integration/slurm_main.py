@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tiny_job import train
 
-from flodl import ElCheConfig, TensorBatchDataset, Trainer, TrainerConfig
 from flodl.launch.env import ENV_RESTART, rank_env
 
 
@@ -67,22 +67,7 @@ def main() -> None:
             time.sleep(args.slow_ms / 1000.0)
         return F.cross_entropy(model(batch[0]), batch[1])
 
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(args.samples, 16, generator=g)
-    y = (x @ torch.randn(16, 4, generator=g)).argmax(dim=1)
-    handle = Trainer.run(
-        lambda device: torch.nn.Sequential(
-            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
-        ),
-        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-        loss_fn,
-        TrainerConfig(
-            dataset=TensorBatchDataset(x, y),
-            batch_size=32,
-            num_epochs=args.epochs,
-            elche=ElCheConfig.preset("cpu_cadence"),
-        ),
-    )
+    handle = train(loss_fn, samples=args.samples, epochs=args.epochs, mode="cpu_cadence")
     handle.join()
     done = {"rank": rank, "incarnation": incarnation, "steps": steps[0]}
     (out / f"rank{rank}.{incarnation}.json").write_text(json.dumps(done))
