@@ -61,11 +61,15 @@ class DefinedJob:
     job: JobSpec
     rank: int
     """The rank whose hello defined it."""
-    outer: OuterConfig
     resume: ResumeState | None
     outer_state: dict[str, list[torch.Tensor]] | None
     save_stem: str | None
     resume_stem: str | None
+
+    @property
+    def outer(self) -> OuterConfig:
+        """The outer optimizer the job brings (applied here in the CPU modes)."""
+        return self.job.outer
 
     def summary(self) -> str:
         """One line for the coordinator's log."""
@@ -140,7 +144,6 @@ def define_job(terms: JobTerms, hello: Hello) -> DefinedJob | str:
         config=config,
         job=job,
         rank=hello.rank,
-        outer=job.outer,
         resume=resume,
         outer_state=outer_state,
         save_stem=checkpoint.normalize_stem(save_stem) if save_stem else None,
