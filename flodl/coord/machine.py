@@ -374,6 +374,18 @@ class Coordinator:
     def _begin_training(self, now: float, out: list[Effect]) -> None:
         self._enter(RunPhase.TRAINING, self.admission.formed(out))
         self.last_progress_at = now
+        self.reporting.start(now)
+        out.append(
+            Record(
+                "root",
+                "job",
+                {
+                    "world_size": self.world_size,
+                    "ranks": self.membership.alive(),
+                    "job": self.config.job_spec().model_dump(mode="json"),
+                },
+            )
+        )
         self.dispatch.refresh_all()
         self.averaging.open_initial_round(out)
         if self._resumed is not None:
@@ -617,6 +629,8 @@ class Coordinator:
                     self._maybe_release_stop(out)
                 case EpochFnElapsed():
                     self.callbacks.observe_epoch_fn(rank, frame.elapsed_ms)
+                    data = {"fn": "epoch_fn", "elapsed_ms": frame.elapsed_ms}
+                    out.append(Record(self.paths[rank], "callback", data))
                 case ResourceSample():
                     out.append(Record(self.paths[rank], "resource", frame.model_dump()))
                 case PartitionRevoked():
@@ -683,6 +697,8 @@ class Coordinator:
         # 2. ElChe feedback from the closed windows (the role ranks' callback slack first).
         windows = averaging.closed_windows()
         steps = [w.steps for w in windows]
+        live = self.membership.alive()
+        self.reporting.window(self.cycle.number, now, sync_ms, windows, live, out)
         if averaging.report_window(windows):
             self.callbacks.elect(self.membership.training(), self.elche.smoothed_ms, out)
         # 3. Guard + meta-controller through the verdict seam; then the role ranks' callback

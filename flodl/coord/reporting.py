@@ -19,10 +19,11 @@ boundaries, a cadence window that grew past ``1/n`` of an epoch gave it fewer th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flodl.config import CoordConfig
+from flodl.coord.contribution import Contribution
 from flodl.coord.dispatch import ClosedEpoch
 from flodl.coord.effects import Alert, Effect, EpochDone, Record
 from flodl.coord.elche import ElChe
@@ -60,6 +61,33 @@ class Reporting:
         """Batches trained per open epoch (redone ones included), for the report schedule."""
         self._cycle: dict[str, Any] = {"syncs": 0}
         """The last finalized cycle's engine numbers (``sync_ms``, ``d_raw``, ``lambda_ema``)."""
+        self.contribution = Contribution(
+            config.world_size, barrier=config.elche.traits.barrier_paced
+        )
+        self._started_at: float | None = None
+
+    def start(self, now: float) -> None:
+        """Training starts (a resumed segment too): records' ``t_s`` counts from here."""
+        self._started_at = now
+        self.contribution.start(now)
+
+    def _t(self, now: float) -> float:
+        return round(now - (self._started_at if self._started_at is not None else now), 4)
+
+    def window(
+        self,
+        cycle: int,
+        now: float,
+        sync_ms: float,
+        windows: Sequence[WindowStats],
+        ranks: Sequence[int],
+        out: list[Effect],
+    ) -> None:
+        """A cycle finalized: the ``window`` record of what each of ``ranks`` (the live ranks)
+        did in it: steps, busy, idle, induced idle, ms per batch
+        (:mod:`flodl.coord.contribution`)."""
+        data = self.contribution.on_cycle(now, sync_ms, windows, ranks)
+        out.append(Record("root", "window", {"cycle": cycle, "t_s": self._t(now), **data}))
 
     def on_metrics(self, frame: Metrics) -> None:
         self.aggregator.add(frame)
@@ -100,10 +128,19 @@ class Reporting:
                     "heartbeat_age_s": self.membership.heartbeat_ages(now),
                     "phase": elche.phase.value,
                     "ranks": self.membership.alive_count(),
+                    "t_s": self._t(now),
                 },
             )
         )
         out.append(EpochDone(metrics))  # after its record: sinks merge the two
+        live = self.membership.alive()
+        out.append(
+            Record(
+                "root",
+                "contribution",
+                {"epoch": epoch, "ranks": self.contribution.figures(live)},
+            )
+        )
 
     def after_cycle(
         self, *, sync_ms: float, syncs: int, d_raw: float | None, telemetry: Mapping[str, Any]

@@ -379,6 +379,8 @@ class SimCluster:
                     self.trace.alerts.append((self.now, cls, detail))
                 case Record(path="root", kind="node", data=data):
                     self.trace.reports.append((self.now, data["epoch"], data["epoch_progress"]))
+                case Record(path="root", kind="contribution", data=data):
+                    self.trace.contribution = data["ranks"]
                 case RunOver(ok=ok, reason=reason, save_reason=save):
                     self.trace.ok, self.trace.reason, self.trace.save_reason = ok, reason, save
                 case _:

@@ -62,6 +62,9 @@ class SimTrace:
     epoch_fns: list[tuple[float, int, int]] = field(default_factory=list)
     """(virtual time, epoch, rank) of every ``epoch_fn`` a rank ran (with ``epoch_fn_ms``)."""
     """(virtual time, epoch, epoch_progress) of every sub-epoch report (``reports_per_epoch``)."""
+    contribution: list[dict[str, Any]] = field(default_factory=list)
+    """The last ``contribution`` record's per-rank figures and advice
+    (:mod:`flodl.coord.contribution`)."""
     digest: str = ""
     steps: int = 0
 

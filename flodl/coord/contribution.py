@@ -1,0 +1,190 @@
+"""Contribution: what each rank gives the run against what it costs the others, and the
+advice that follows (docs/design.md §7, "Contribution and advice").
+
+Pure module. At every finalized averaging cycle the coordinator knows, for each rank that
+trained through the window, its *busy* time (compute + data wait of the window it closed) and
+the window's *span* (the previous cycle's finalize, or the start of training, to this one).
+From them:
+
+* **averaging** of the window = ``span − the longest busy``: the time the slowest rank of the
+  window spent not training (the reduce, its messages, the coordinator's turn), which every
+  rank pays; the coordinator's own ``sync_ms`` (trigger → finalize) is recorded beside it, but
+  in the Sync modes it also holds the wait for the slowest rank, so it is not used here;
+* **idle** of a rank = ``span − averaging − busy``: the time it waited for the slowest rank;
+* **induced idle** — the wait a rank makes the others suffer. Every rank starts its window at
+  the same instant, so while the ``k`` earliest finishers wait between the ``k``-th and the
+  ``k+1``-th busy time, the ranks still busy are the cause; that interval's waiting is charged
+  to them in equal parts (:func:`induced_idle` also takes a measured idle that is less than
+  the busy difference and charges only that). In ``cpu_async`` every rank trains through the
+  window, so busy ≈ span for all and nothing is induced. O(W log W) per cycle (one sort,
+  prefix sums);
+* **averaging share** of a rank = ``averaging / live ranks`` per window: the averaging time split
+  evenly among the ranks that average.
+
+The running totals give each rank's *sample share* (its trained samples over everyone's) and
+its *cost share* (the induced idle and averaging share it is charged, over the ranks' summed
+span time). :func:`advise` turns them into one word and a reason:
+
+* ``evict`` when it costs more of the cluster's time than its share of the samples is worth
+  (cost share > sample share): the others would train faster without it;
+* ``cpu_async`` when the run waits at a barrier (not already ``cpu_async``) and the waits it
+  induces are notable (cost share ≥ :data:`NOTABLE_COST` and ≥ a quarter of its sample share):
+  without a barrier nobody waits for it;
+* ``keep`` otherwise.
+
+``flodl sim --from-records`` quantifies the advice by replaying the run without the rank and in
+``cpu_async`` (:mod:`flodl.sim.replay`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from flodl.coord.metrics import WindowStats
+
+__all__ = ["NOTABLE_COST", "Advice", "induced_idle", "advise", "Contribution"]
+
+NOTABLE_COST: Final = 0.02
+"""A rank whose charged waits are under 2 % of the cluster's time is never worth moving."""
+
+Advice = Literal["keep", "cpu_async", "evict"]
+
+
+def induced_idle(busy: Sequence[float], idle: Sequence[float]) -> list[float]:
+    """The idle each rank induced in the others over one window (see the module docstring).
+
+    Args:
+        busy: each rank's busy time in the window (ms); every rank started it at once.
+        idle: each rank's measured idle in the window (ms); caps what its wait can charge.
+
+    Returns:
+        Induced idle per rank (ms), in the order of ``busy``; the sum never exceeds the sum
+        of ``idle``.
+    """
+    n = len(busy)
+    out = [0.0] * n
+    if n < 2:
+        return out
+    order = sorted(range(n), key=lambda r: busy[r])
+    top = busy[order[-1]]
+    waiting = 0.0  # Σ of the real-wait fraction of the ranks already done
+    charge = 0.0  # what each still-busy rank has been charged so far
+    for k in range(n - 1):
+        r = order[k]
+        span = top - busy[r]
+        waiting += min(1.0, idle[r] / span) if span > 0 else 0.0
+        delta = busy[order[k + 1]] - busy[r]
+        charge += delta * waiting / (n - k - 1)
+        out[order[k + 1]] = charge
+    return out
+
+
+def advise(
+    sample_share: float, cost_share: float, *, live: int, barrier: bool
+) -> tuple[Advice, str]:
+    """One rank's advice and its reason (see the module docstring)."""
+    samples = f"trains {100 * sample_share:.1f} % of the samples"
+    costs = f"costs the others {100 * cost_share:.1f} % of the cluster's time"
+    if live < 2:
+        return "keep", "the only live rank"
+    if cost_share > sample_share:
+        return "evict", f"it {samples} but {costs} in waits and averaging"
+    if barrier and cost_share >= NOTABLE_COST and cost_share >= sample_share / 4:
+        return "cpu_async", f"it {samples} and {costs}; cpu_async has no barrier to wait at"
+    return "keep", f"it {samples} for {100 * cost_share:.1f} % of the cluster's time"
+
+
+@dataclass(slots=True)
+class _Totals:
+    samples: int = 0
+    busy_ms: float = 0.0
+    idle_ms: float = 0.0
+    induced_ms: float = 0.0
+    averaging_ms: float = 0.0
+    span_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class Contribution:
+    """Per-rank running totals over the run's finalized cycles.
+
+    Args:
+        world_size: ranks.
+        barrier: the mode makes ranks wait for each other (every mode but ``cpu_async``).
+    """
+
+    world_size: int
+    barrier: bool = True
+    _totals: list[_Totals] = field(default_factory=list)
+    _last_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self._totals = [_Totals() for _ in range(self.world_size)]
+
+    def start(self, now: float) -> None:
+        """Training (re)started at ``now``: the first window's span begins here."""
+        self._last_at = now
+
+    def on_cycle(
+        self, now: float, sync_ms: float, windows: Sequence[WindowStats], ranks: Sequence[int]
+    ) -> dict[str, Any]:
+        """A cycle finalized: fold the windows ``ranks`` closed into the totals; returns the
+        ``window`` record's data (per-rank lists in ``ranks``' order). ``sync_ms`` (the
+        coordinator's trigger → finalize) is recorded, not used."""
+        span = max(0.0, (now - (self._last_at if self._last_at is not None else now)) * 1000.0)
+        self._last_at = now
+        busy = [windows[r].compute_ms + windows[r].data_ms for r in ranks]
+        averaging = max(0.0, span - max(busy, default=0.0))
+        idle = [max(0.0, span - averaging - b) for b in busy]
+        induced = induced_idle(busy, idle)
+        share = averaging / len(ranks) if ranks else 0.0
+        for i, r in enumerate(ranks):
+            t = self._totals[r]
+            t.samples += windows[r].samples
+            t.busy_ms += busy[i]
+            t.idle_ms += idle[i]
+            t.induced_ms += induced[i]
+            t.averaging_ms += share
+            t.span_ms += span
+        steps = [windows[r].steps for r in ranks]
+        return {
+            "span_ms": round(span, 3),
+            "sync_ms": round(sync_ms, 3),
+            "averaging_ms": round(averaging, 3),
+            "ranks": list(ranks),
+            "steps": steps,
+            "busy_ms": [round(b, 3) for b in busy],
+            "idle_ms": [round(i, 3) for i in idle],
+            "induced_ms": [round(i, 3) for i in induced],
+            "ms_per_batch": [
+                round(b / s, 4) if s else None for b, s in zip(busy, steps, strict=True)
+            ],
+        }
+
+    def figures(self, live: Sequence[int]) -> list[dict[str, Any]]:
+        """Each rank's contribution so far and its advice (the ``contribution`` record)."""
+        samples = sum(t.samples for t in self._totals)
+        cluster_ms = sum(t.span_ms for t in self._totals)
+        out = []
+        for r, t in enumerate(self._totals):
+            sample_share = t.samples / samples if samples else 0.0
+            cost_share = (t.induced_ms + t.averaging_ms) / cluster_ms if cluster_ms else 0.0
+            advice, reason = advise(sample_share, cost_share, live=len(live), barrier=self.barrier)
+            out.append(
+                {
+                    "rank": r,
+                    "live": r in live,
+                    "samples": t.samples,
+                    "sample_share": round(sample_share, 4),
+                    "busy_s": round(t.busy_ms / 1000.0, 3),
+                    "idle_s": round(t.idle_ms / 1000.0, 3),
+                    "induced_idle_s": round(t.induced_ms / 1000.0, 3),
+                    "averaging_s": round(t.averaging_ms / 1000.0, 3),
+                    "cost_share": round(cost_share, 4),
+                    "advice": advice if r in live else "gone",
+                    "reason": reason if r in live else "not a live rank",
+                }
+            )
+        return out
