@@ -147,8 +147,13 @@ class Callbacks:
         if isinstance(self.roles.policy, int):  # the user's choice is overridden: say so
             out.append(Alert("callback_roles_moved", "root", why))
 
-    def observe_epoch_fn(self, rank: int, elapsed_ms: float) -> None:
+    def observe_epoch_fn(self, rank: int, elapsed_ms: float, out: list[Effect]) -> None:
         self.roles.observe_cost("epoch_fn", rank, elapsed_ms)
+        out.append(self._timed("epoch_fn", rank, elapsed_ms))
+
+    def _timed(self, fn: str, rank: int, elapsed_ms: float) -> Record:
+        """The ``callback`` record of one callback run on a role rank (its wall time)."""
+        return Record(self.paths[rank], "callback", {"fn": fn, "elapsed_ms": elapsed_ms})
 
     # ------------------------------------------------------------------ schedules
     def checkpoint_due(self, epoch: int) -> bool:
@@ -231,7 +236,15 @@ class Callbacks:
     def on_eval_result(self, res: EvalResult, out: list[Effect]) -> bool:
         """An eval finished (or failed); True when it was the final eval."""
         self.roles.observe_cost("eval", res.rank, res.elapsed_ms)
+        out.append(self._timed("eval", res.rank, res.elapsed_ms))
         if res.error is None and res.metric is not None:
+            out.append(
+                Record(
+                    "root",
+                    "eval",
+                    {"epoch": res.epoch, "metric": res.metric, "rank": res.rank},
+                )
+            )
             out.append(EvalDone(res.epoch, res.metric))
             out.extend(self.membership.broadcast(EvalBroadcast(epoch=res.epoch, metric=res.metric)))
         else:
@@ -240,6 +253,7 @@ class Callbacks:
 
     def on_checkpoint_result(self, res: CheckpointResult, out: list[Effect]) -> None:
         self.roles.observe_cost("checkpoint", res.rank, res.elapsed_ms)
+        out.append(self._timed("checkpoint", res.rank, res.elapsed_ms))
         retry = self.checkpoints.get(res.version)
         if retry is None or retry.target != res.rank:
             return
@@ -297,6 +311,7 @@ class Callbacks:
 
     def on_bundle_saved(self, res: BundleSaved, out: list[Effect], *, ranks_stopped: bool) -> None:
         self.roles.observe_cost("checkpoint", res.rank, res.elapsed_ms)
+        out.append(self._timed("checkpoint", res.rank, res.elapsed_ms))
         pending = self.bundles.get(res.version)
         if pending is None or pending[0].target != res.rank:
             if res.error is not None:  # a rank's optimizer state: the bundle still commits

@@ -628,9 +628,7 @@ class Coordinator:
                     self.callbacks.on_bundle_saved(frame, out, ranks_stopped=self._stop_sent)
                     self._maybe_release_stop(out)
                 case EpochFnElapsed():
-                    self.callbacks.observe_epoch_fn(rank, frame.elapsed_ms)
-                    data = {"fn": "epoch_fn", "elapsed_ms": frame.elapsed_ms}
-                    out.append(Record(self.paths[rank], "callback", data))
+                    self.callbacks.observe_epoch_fn(rank, frame.elapsed_ms, out)
                 case ResourceSample():
                     out.append(Record(self.paths[rank], "resource", frame.model_dump()))
                 case PartitionRevoked():
