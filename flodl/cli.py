@@ -13,8 +13,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 import flodl
-from flodl.config import DEFAULT_BATCH_SIZE, MODES
+from flodl.config import MODES
 from flodl.errors import ConfigError
+from flodl.sim_cli import add_sim
 from flodl.timeouts import DEFAULT_HEARTBEAT_TIMEOUT_S
 
 __all__ = ["build_parser", "main"]
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_coord(sub)
     _add_launch(sub)
-    _add_sim(sub)
+    add_sim(sub)
     _add_records(sub)
     _add_dashboard(sub)
     _add_chaos(sub)
@@ -224,62 +225,6 @@ def _run_coord(args: argparse.Namespace) -> int:
     from flodl.coord_cli import run_coord
 
     return run_coord(args)
-
-
-def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "sim",
-        help="predict each mode's wall time, idle and syncs for a rig (simulated, no GPUs)",
-        description=(
-            "Capacity planning: simulate the real coordinator with ranks of the given relative "
-            "speeds and print each mode side by side, against the fastest rank training alone."
-        ),
-    )
-    p.add_argument("--speeds", required=True, help="relative ms per batch per rank, e.g. 1,1,3")
-    p.add_argument("--base-ms", type=float, default=10.0, help="ms per batch of speed 1")
-    p.add_argument("--dataset-len", type=int, default=50_000, help="samples per epoch")
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--reduce-ms", type=float, default=5.0, help="duration of one averaging")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to compare")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(command=_run_sim)
-
-
-def _run_sim(args: argparse.Namespace) -> int:
-    from flodl.sim.plan import RigPlan, format_plan, parse_speeds, plan_modes
-
-    try:
-        modes = [m.strip() for m in str(args.modes).split(",") if m.strip()]
-        unknown = [m for m in modes if m not in MODES]
-        if unknown or not modes:
-            raise ConfigError(f"--modes: unknown {unknown}; expected some of {', '.join(MODES)}")
-        for name in ("base_ms", "reduce_ms"):
-            value = getattr(args, name)
-            if not (value >= 0 and value < float("inf")) or (name == "base_ms" and value == 0):
-                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number > 0")
-        for name in ("dataset_len", "batch_size", "epochs"):
-            if getattr(args, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-        rig = RigPlan(
-            speeds=parse_speeds(args.speeds),
-            base_ms=args.base_ms,
-            dataset_len=args.dataset_len,
-            batch_size=args.batch_size,
-            epochs=args.epochs,
-            reduce_ms=args.reduce_ms,
-            seed=args.seed,
-        )
-        traces = plan_modes(rig, modes)
-    except ConfigError as exc:
-        print(f"flodl sim: error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps({m: t.summary() for m, t in traces.items()}, indent=2))
-    else:
-        print(format_plan(rig, traces))
-    return 0
 
 
 def _add_records(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -44,12 +44,14 @@ from typing import Any, Final, Literal
 
 from flodl.coord.metrics import WindowStats
 
-__all__ = ["NOTABLE_COST", "Advice", "induced_idle", "advise", "Contribution"]
+__all__ = ["NOTABLE_COST", "Advice", "MOVE_TO_ASYNC", "induced_idle", "advise", "Contribution"]
 
 NOTABLE_COST: Final = 0.02
 """A rank whose charged waits are under 2 % of the cluster's time is never worth moving."""
 
 Advice = Literal["keep", "cpu_async", "evict"]
+MOVE_TO_ASYNC: Final[Advice] = "cpu_async"
+"""The advice to run without a barrier (it names the mode a user would pick)."""
 
 
 def induced_idle(busy: Sequence[float], idle: Sequence[float]) -> list[float]:
@@ -92,7 +94,7 @@ def advise(
     if cost_share > sample_share:
         return "evict", f"it {samples} but {costs} in waits and averaging"
     if barrier and cost_share >= NOTABLE_COST and cost_share >= sample_share / 4:
-        return "cpu_async", f"it {samples} and {costs}; cpu_async has no barrier to wait at"
+        return MOVE_TO_ASYNC, f"it {samples} and {costs}; cpu_async has no barrier to wait at"
     return "keep", f"it {samples} for {100 * cost_share:.1f} % of the cluster's time"
 
 

@@ -547,6 +547,8 @@ class Coordinator:
         out.append(
             Alert("rank_lost", self.paths[rank], f"rank {rank} declared dead: {reason}", "critical")
         )
+        # the alert lane collapses repeats; the record keeps every death (flodl sim replays it)
+        out.append(Record(self.paths[rank], "rank_lost", {"rank": rank, "reason": reason}))
         if self.phase is RunPhase.FORMING:
             self._finish_run(out, ok=False, reason=f"rank {rank} lost during formation: {reason}")
             return

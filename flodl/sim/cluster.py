@@ -154,6 +154,11 @@ class SimCluster:
         reports_per_epoch: the coordinator's sub-epoch reports (``SimTrace.reports``).
         epoch_callback_policy: ``"fastest"`` or a pinned rank (``SimTrace.epoch_fns`` says
             which rank ran each ``epoch_fn``).
+        speed_at: ``speed_at(rank, t)``: the rank's ms per batch at virtual time ``t`` (a
+            speed that changes over the run, as a replayed record log's does); ``None`` from it,
+            or no ``speed_at``, means the rank's ``speeds`` entry.
+        keep_records: keep every record the coordinator writes in ``SimTrace.records``, in
+            the record log's format with ``ts`` the virtual time in ms.
     """
 
     def __init__(
@@ -184,6 +189,8 @@ class SimCluster:
         join_at: Sequence[float] | None = None,
         reports_per_epoch: int | None = None,
         epoch_callback_policy: Literal["fastest"] | int = "fastest",
+        speed_at: Callable[[int, float], float | None] | None = None,
+        keep_records: bool = False,
     ) -> None:
         if len(speeds) != world_size:
             raise ValueError(f"speeds has {len(speeds)} entries for world_size {world_size}")
@@ -224,6 +231,8 @@ class SimCluster:
             for r, s in enumerate(speeds)
         ]
         self.jitter = jitter
+        self.speed_at = speed_at
+        self.keep_records = keep_records
         self.net_s = net_delay_ms / 1000.0
         self.reduce_s = reduce_ms / 1000.0
         self.heartbeat_s = heartbeat_s
@@ -347,6 +356,8 @@ class SimCluster:
         for e in effects:
             if self.check_invariants:  # repr of every effect is slow; benchmarks skip it
                 self._digest.update(f"{self.now:.9f}{e!r}".encode())
+            if self.keep_records:
+                self._keep_record(e)
             match e:
                 case Send(rank=rank, frame=frame):
                     r = self.ranks[rank]
@@ -373,6 +384,7 @@ class SimCluster:
                     self._leave_rounds(rank)
                 case EpochDone(metrics=m):
                     self.trace.epochs.append(m)
+                    self.trace.epoch_at.append(self.now)
                     cov = self.coord.coverage(m.epoch)
                     self.trace.coverage_ok.append(cov is not None and cov.ok)
                 case Alert(cls=cls, detail=detail):
@@ -396,6 +408,24 @@ class SimCluster:
             counts = self.coord.elche.batch_counts
             if not self.trace.batch_counts or self.trace.batch_counts[-1] != counts:
                 self.trace.batch_counts.append(counts)
+
+    def _keep_record(self, e: Effect) -> None:
+        """``keep_records``: a record or alert as the record log would hold it."""
+        if isinstance(e, EpochDone):  # merged into its epoch record, as the sinks do
+            m = e.metrics
+            for rec in reversed(self.trace.records):
+                if rec["kind"] == "epoch" and rec["data"].get("epoch") == m.epoch:
+                    rec["data"].update(epoch_ms=m.epoch_ms, syncs=m.syncs, anchor=m.anchor)
+                    break
+            return
+        if isinstance(e, Record):
+            path, kind, data = e.path, e.kind, dict(e.data)
+        elif isinstance(e, Alert):
+            path, kind, data = e.path, "event", {"class": e.cls, "detail": e.detail}
+        else:
+            return
+        ts = round(self.now * 1000.0, 3)
+        self.trace.records.append({"ts": ts, "path": path, "kind": kind, "data": data})
 
     def _leave_rounds(self, rank: int) -> None:
         if self.traits.cpu_averaging:
@@ -482,7 +512,10 @@ class SimCluster:
             update = r.proto.lr_set(self.lr(r.proto.lr_step(), r.rank))
             if update is not None:
                 self._to_coord(update)
-        ms = r.ms_per_batch * self.rng.uniform(1 - self.jitter, 1 + self.jitter)
+        base = None if self.speed_at is None else self.speed_at(r.rank, self.now)
+        ms = (r.ms_per_batch if base is None else base) * self.rng.uniform(
+            1 - self.jitter, 1 + self.jitter
+        )
         r.busy = "batch"
         r.busy_s += ms / 1000.0
         r.last_ms = ms

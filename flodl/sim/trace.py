@@ -62,6 +62,11 @@ class SimTrace:
     epoch_fns: list[tuple[float, int, int]] = field(default_factory=list)
     """(virtual time, epoch, rank) of every ``epoch_fn`` a rank ran (with ``epoch_fn_ms``)."""
     """(virtual time, epoch, epoch_progress) of every sub-epoch report (``reports_per_epoch``)."""
+    epoch_at: list[float] = field(default_factory=list)
+    """Virtual time each epoch of ``epochs`` closed."""
+    records: list[dict[str, Any]] = field(default_factory=list)
+    """``keep_records``: every record and alert, as the record log holds them (``ts``: virtual
+    ms)."""
     contribution: list[dict[str, Any]] = field(default_factory=list)
     """The last ``contribution`` record's per-rank figures and advice
     (:mod:`flodl.coord.contribution`)."""

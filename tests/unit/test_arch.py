@@ -91,6 +91,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "flodl.demo.*",
             "flodl.cli",
             "flodl.coord_cli",
+            "flodl.sim_cli",
             "flodl.__main__",
         ],
     ),
