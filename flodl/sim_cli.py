@@ -197,6 +197,7 @@ def _replay(args: argparse.Namespace) -> int:
             "averaging_ms": run.averaging_ms,
             "callback_ms_per_epoch": run.callback_ms_per_epoch,
             "rank_failures": sum(f.kind == "kill" for f in run.faults),
+            "unknown_speed": list(run.unknown_speed),
         },
         "error": error,
         "what_ifs": [

@@ -82,6 +82,9 @@ class RecordedRun:
     """Each rank's trained batches over the recorded windows."""
     advice: tuple[dict[str, Any], ...] = ()
     """The last ``contribution`` record's per-rank figures."""
+    unknown_speed: tuple[int, ...] = ()
+    """Ranks that trained in no recorded window (dead or joined before the first one closed):
+    replayed at the median speed of the others."""
 
     @property
     def shares(self) -> list[float]:
@@ -160,9 +163,12 @@ def recorded_run(tree: Mapping[str, Sequence[Mapping[str, Any]]]) -> RecordedRun
                 speeds[r].append((t, _num(ms, "window ms_per_batch")))
     if not averaging:
         raise ConfigError("the record log has no 'window' record: no averaging cycle finished")
-    for r, series in enumerate(speeds):
-        if not series:
-            raise ConfigError(f"rank {r} trained in no recorded window: its speed is unknown")
+    known = [ms for series in speeds for _, ms in series]
+    if not known:
+        raise ConfigError("no rank trained in a recorded window: the speeds are unknown")
+    unknown = tuple(r for r, series in enumerate(speeds) if not series)
+    for r in unknown:  # died (or joined) before any window closed: the others' median
+        speeds[r].append((0.0, statistics.median(known)))
     epoch_recs = [r["data"] for r in root if r.get("kind") == "epoch"]
     if not epoch_recs:
         raise ConfigError("the record log has no 'epoch' record: no epoch finished yet")
@@ -199,6 +205,7 @@ def recorded_run(tree: Mapping[str, Sequence[Mapping[str, Any]]]) -> RecordedRun
         epoch_syncs=tuple(int(e.get("syncs", 0)) for e in epoch_recs),
         batches=tuple(batches),
         advice=tuple(contribution[-1].get("ranks", [])) if contribution else (),
+        unknown_speed=unknown,
     )
 
 
@@ -394,6 +401,12 @@ def format_replay(
             f"averaging {run.averaging_ms:.1f} ms, callbacks "
             f"{run.callback_ms_per_epoch:.0f} ms/epoch, "
             f"{sum(f.kind == 'kill' for f in run.faults)} rank failure(s)"
+            + (
+                f"; ranks {list(run.unknown_speed)} trained in no window (replayed at the "
+                "others' median speed)"
+                if run.unknown_speed
+                else ""
+            )
         ),
         f"replay error at epoch {error['epochs_compared']}: training "
         f"{error['predicted_s']:.2f} s vs {error['recorded_s']:.2f} s recorded "

@@ -84,6 +84,20 @@ def test_record_tree_reports_alerts_and_progress_of_a_three_rank_run(tmp_path: P
         check=False,
     )
     assert bad.returncode == 2 and "'..'" in bad.stderr
+    # the replay reads the death back and replays it (docs/design.md §3, "Replay")
+    lost_records = [r["data"] for r in dead if r["kind"] == "rank_lost"]
+    assert [d["rank"] for d in lost_records] == [2]
+    sim = subprocess.run(
+        [sys.executable, "-m", "flodl", "sim", "--from-records", str(rec), "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert sim.returncode == 0, sim.stderr
+    replayed = json.loads(sim.stdout)
+    assert replayed["recorded"]["rank_failures"] == 1
+    assert replayed["error"]["epochs_compared"] == 2
+    assert [a["advice"] for a in replayed["advice"]][2] == "gone"
 
 
 @pytest.mark.timeout(120)
