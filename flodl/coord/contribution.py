@@ -39,7 +39,6 @@ span time). :func:`advise` turns them into one word and a reason:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from flodl.coord.metrics import WindowStats
@@ -98,17 +97,6 @@ def advise(
     return "keep", f"it {samples} for {100 * cost_share:.1f} % of the cluster's time"
 
 
-@dataclass(slots=True)
-class _Totals:
-    samples: int = 0
-    busy_ms: float = 0.0
-    idle_ms: float = 0.0
-    induced_ms: float = 0.0
-    averaging_ms: float = 0.0
-    span_ms: float = 0.0
-
-
-@dataclass(slots=True)
 class Contribution:
     """Per-rank running totals over the run's finalized cycles.
 
@@ -117,13 +105,14 @@ class Contribution:
         barrier: the mode makes ranks wait for each other (every mode but ``cpu_async``).
     """
 
-    world_size: int
-    barrier: bool = True
-    _totals: list[_Totals] = field(default_factory=list)
-    _last_at: float | None = None
-
-    def __post_init__(self) -> None:
-        self._totals = [_Totals() for _ in range(self.world_size)]
+    def __init__(self, world_size: int, *, barrier: bool = True) -> None:
+        self.world_size = world_size
+        self.barrier = barrier
+        zeros = [0.0] * world_size
+        self._samples = [0] * world_size
+        self._busy, self._idle, self._induced = list(zeros), list(zeros), list(zeros)
+        self._averaging, self._span = list(zeros), list(zeros)
+        self._last_at: float | None = None
 
     def start(self, now: float) -> None:
         """Training (re)started at ``now``: the first window's span begins here."""
@@ -134,59 +123,65 @@ class Contribution:
     ) -> dict[str, Any]:
         """A cycle finalized: fold the windows ``ranks`` closed into the totals; returns the
         ``window`` record's data (per-rank lists in ``ranks``' order). ``sync_ms`` (the
-        coordinator's trigger → finalize) is recorded, not used."""
+        coordinator's trigger → finalize) is recorded, not used. O(W log W)."""
         span = max(0.0, (now - (self._last_at if self._last_at is not None else now)) * 1000.0)
         self._last_at = now
-        busy = [windows[r].compute_ms + windows[r].data_ms for r in ranks]
+        closed = [windows[r] for r in ranks]
+        busy = [w.compute_ms + w.data_ms for w in closed]
+        steps = [w.steps for w in closed]
         averaging = max(0.0, span - max(busy, default=0.0))
-        idle = [max(0.0, span - averaging - b) for b in busy]
+        free = span - averaging
+        idle = [max(0.0, free - b) for b in busy]
         induced = induced_idle(busy, idle)
         share = averaging / len(ranks) if ranks else 0.0
         for i, r in enumerate(ranks):
-            t = self._totals[r]
-            t.samples += windows[r].samples
-            t.busy_ms += busy[i]
-            t.idle_ms += idle[i]
-            t.induced_ms += induced[i]
-            t.averaging_ms += share
-            t.span_ms += span
-        steps = [windows[r].steps for r in ranks]
+            self._samples[r] += closed[i].samples
+            self._busy[r] += busy[i]
+            self._idle[r] += idle[i]
+            self._induced[r] += induced[i]
+            self._averaging[r] += share
+            self._span[r] += span
         return {
-            "span_ms": round(span, 3),
-            "sync_ms": round(sync_ms, 3),
-            "averaging_ms": round(averaging, 3),
+            "span_ms": span,
+            "sync_ms": sync_ms,
+            "averaging_ms": averaging,
             "ranks": list(ranks),
             "steps": steps,
-            "busy_ms": [round(b, 3) for b in busy],
-            "idle_ms": [round(i, 3) for i in idle],
-            "induced_ms": [round(i, 3) for i in induced],
-            "ms_per_batch": [
-                round(b / s, 4) if s else None for b, s in zip(busy, steps, strict=True)
-            ],
+            "busy_ms": busy,
+            "idle_ms": idle,
+            "induced_ms": induced,
+            "ms_per_batch": [b / n if n else None for b, n in zip(busy, steps, strict=True)],
         }
 
     def figures(self, live: Sequence[int]) -> list[dict[str, Any]]:
-        """Each rank's contribution so far and its advice (the ``contribution`` record)."""
-        samples = sum(t.samples for t in self._totals)
-        cluster_ms = sum(t.span_ms for t in self._totals)
+        """Each rank's contribution so far and its advice (the ``contribution`` record). O(W)."""
+        samples = sum(self._samples)
+        cluster_ms = sum(self._span)
+        alive = set(live)
         out = []
-        for r, t in enumerate(self._totals):
-            sample_share = t.samples / samples if samples else 0.0
-            cost_share = (t.induced_ms + t.averaging_ms) / cluster_ms if cluster_ms else 0.0
-            advice, reason = advise(sample_share, cost_share, live=len(live), barrier=self.barrier)
+        for r in range(self.world_size):
+            sample_share = self._samples[r] / samples if samples else 0.0
+            cost = self._induced[r] + self._averaging[r]
+            cost_share = cost / cluster_ms if cluster_ms else 0.0
+            if r in alive:
+                advice, reason = advise(
+                    sample_share, cost_share, live=len(alive), barrier=self.barrier
+                )
+            else:
+                advice, reason = "gone", "not a live rank"
             out.append(
                 {
                     "rank": r,
-                    "live": r in live,
-                    "samples": t.samples,
+                    "live": r in alive,
+                    "samples": self._samples[r],
                     "sample_share": round(sample_share, 4),
-                    "busy_s": round(t.busy_ms / 1000.0, 3),
-                    "idle_s": round(t.idle_ms / 1000.0, 3),
-                    "induced_idle_s": round(t.induced_ms / 1000.0, 3),
-                    "averaging_s": round(t.averaging_ms / 1000.0, 3),
+                    "busy_s": round(self._busy[r] / 1000.0, 3),
+                    "idle_s": round(self._idle[r] / 1000.0, 3),
+                    "induced_idle_s": round(self._induced[r] / 1000.0, 3),
+                    "averaging_s": round(self._averaging[r] / 1000.0, 3),
                     "cost_share": round(cost_share, 4),
-                    "advice": advice if r in live else "gone",
-                    "reason": reason if r in live else "not a live rank",
+                    "advice": advice,
+                    "reason": reason,
                 }
             )
         return out

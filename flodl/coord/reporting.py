@@ -61,9 +61,8 @@ class Reporting:
         """Batches trained per open epoch (redone ones included), for the report schedule."""
         self._cycle: dict[str, Any] = {"syncs": 0}
         """The last finalized cycle's engine numbers (``sync_ms``, ``d_raw``, ``lambda_ema``)."""
-        self.contribution = Contribution(
-            config.world_size, barrier=config.elche.traits.barrier_paced
-        )
+        barrier = config.elche.traits.barrier_paced
+        self.contribution = Contribution(config.world_size, barrier=barrier)
         self._started_at: float | None = None
 
     def start(self, now: float) -> None:
