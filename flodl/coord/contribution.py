@@ -163,6 +163,7 @@ class Contribution:
             sample_share = self._samples[r] / samples if samples else 0.0
             cost = self._induced[r] + self._averaging[r]
             cost_share = cost / cluster_ms if cluster_ms else 0.0
+            advice: str
             if r in alive:
                 advice, reason = advise(
                     sample_share, cost_share, live=len(alive), barrier=self.barrier

@@ -56,6 +56,7 @@ from flodl.errors import (
     LocalProtocolError,
     RemoteProtocolError,
 )
+from flodl.rank.resources import RESOURCE_INTERVAL_S, ResourceProbe
 from flodl.wire.codec import check_secret
 from flodl.wire.frames import (
     RANK_FRAME_KINDS,
@@ -192,7 +193,10 @@ class RankBridge:
         on_lost: Callable[[str], None] | None = None,
         on_hard_exit: Callable[[str], None] | None = None,
         loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+        resource_s: float | None = RESOURCE_INTERVAL_S,
     ) -> None:
+        if resource_s is not None and not resource_s > 0.0:
+            raise ConfigError(f"resource_s must be > 0 or None, got {resource_s!r}")
         for name, value in (
             ("heartbeat_s", heartbeat_s),
             ("liveness_timeout_s", liveness_timeout_s),
@@ -214,6 +218,7 @@ class RankBridge:
         self._hello = hello
         self._rank = hello.rank
         self._heartbeat_s = float(heartbeat_s)
+        self._resource_s = resource_s
         self._liveness_timeout_s = float(liveness_timeout_s)
         self._connect_timeout_s = float(connect_timeout_s)
         self._hard_exit_grace_s = None if hard_exit_grace_s is None else float(hard_exit_grace_s)
@@ -487,6 +492,8 @@ class RankBridge:
         self._last_seen_at = loop.time()
         self._reader_task = self._spawn(self._read_loop(fr), "reader")
         self._spawn(self._heartbeat_loop(), "heartbeat")
+        if self._resource_s is not None:
+            self._spawn(self._resource_loop(self._resource_s), "resources")
         self._arm_watchdog()
         self._log.info(
             "accepted by the coordinator at %s:%d (session %d)",
@@ -615,6 +622,18 @@ class RankBridge:
             self._write(Heartbeat(rank=self._rank, step=step))
             self._log.debug("heartbeat step=%d", step)
             await asyncio.sleep(self._heartbeat_s)
+
+    async def _resource_loop(self, every_s: float) -> None:
+        """A ``resource_sample`` every ``every_s`` (docs/design.md §7); never fails the rank."""
+        probe = ResourceProbe(self._rank, self._hello.device or "cpu")
+        while not self._lost.is_set():
+            await asyncio.sleep(every_s)
+            try:
+                sample = probe.sample()
+            except Exception:  # noqa: BLE001 - a probe bug costs the samples, never the rank
+                self._log.exception("resource sampling failed; no more samples")
+                return
+            self._write(sample)
 
     def _write(self, frame: RankFrame) -> None:
         fw = self._fw

@@ -32,7 +32,13 @@ from typing import Any
 
 import pytest
 
-from flodl.errors import CoordinatorLost, FrameError, LocalProtocolError, RemoteProtocolError
+from flodl.errors import (
+    ConfigError,
+    CoordinatorLost,
+    FrameError,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
 from flodl.rank.bridge import HARD_EXIT_CODE, RankBridge
 from flodl.wire.codec import AnyFrame
 from flodl.wire.control_hello import (
@@ -54,6 +60,7 @@ from flodl.wire.frames import (
     Hello,
     Metrics,
     Reject,
+    ResourceSample,
     SetGlobalStep,
     Shutdown,
     StartEpoch,
@@ -215,11 +222,13 @@ class FakeCoordinator:
         self, kind: type[AnyFrame] | None = None, timeout: float = WAIT_S
     ) -> tuple[float, AnyFrame | None]:
         """The next received frame of type ``kind``, or the next end of a connection; with no
-        ``kind``, the next frame that is neither a Hello nor a rank heartbeat."""
+        ``kind``, the next frame that is neither a Hello, a rank heartbeat nor a resource
+        sample."""
         deadline = time.monotonic() + timeout
         while True:
             at, frame = self.received.get(timeout=max(0.0, deadline - time.monotonic()))
-            if frame is None or (kind is None and not isinstance(frame, Hello | Heartbeat)):
+            periodic = Hello | Heartbeat | ResourceSample
+            if frame is None or (kind is None and not isinstance(frame, periodic)):
                 return at, frame
             if kind is not None and isinstance(frame, kind):
                 return at, frame
@@ -512,6 +521,31 @@ def test_heartbeats_arrive_every_heartbeat_s_with_the_latest_step(
     assert (beats - 1) * 0.9 * heartbeat_s <= at - started_at, (beats, at - started_at)
     with pytest.raises(LocalProtocolError):
         bridge.set_step(-1)
+
+
+def test_resource_samples_arrive_every_resource_s(
+    coord: FakeCoordinator, make_bridge: BridgeFactory
+) -> None:
+    """The bridge thread samples the process's resources on its own (docs/design.md §7):
+    CPU %, RSS out of the host's memory, no GPU figures on a CPU rank."""
+    bridge = make_bridge(coord.port, resource_s=0.05)
+    bridge.start()
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:  # burn CPU on the main thread: the process is busy
+        sum(i * i for i in range(10_000))
+    samples = [coord.next_frame(ResourceSample)[1] for _ in range(3)]
+    assert all(isinstance(s, ResourceSample) and s.rank == 0 for s in samples)
+    busy = [s.cpu_percent for s in samples if isinstance(s, ResourceSample)]
+    assert max(busy) > 10.0, busy
+    first = samples[0]
+    assert isinstance(first, ResourceSample)
+    assert 0 < first.ram_used < first.ram_total
+    assert first.vram_allocated is None and first.gpu_util_percent is None
+
+
+def test_resource_samples_can_be_turned_off(make_bridge: BridgeFactory) -> None:
+    with pytest.raises(ConfigError, match="resource_s must be > 0 or None"):
+        make_bridge(1, resource_s=0.0)
 
 
 @LOOPS
