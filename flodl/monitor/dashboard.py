@@ -11,8 +11,10 @@ Endpoints (``GET`` only; anything else is ``405``):
 ``/meta``                       the run's ``meta`` record, or ``null``
 ==============================  ===============================================================
 
-``/history`` and ``/stream`` take ``children=1`` to widen the scope to the direct children
-(see :mod:`flodl.monitor.hub`), and ``/stream`` takes ``after=<seq>`` (or the SSE
+``/history`` and ``/stream`` take ``children=1`` to widen the scope to the direct children and
+``deep=K1,K2`` (record kinds, at most 16) to add those kinds' records at every node below (see
+:mod:`flodl.monitor.hub`); ``/history`` also takes ``kinds=K1,K2`` to keep only those kinds of
+its scope. ``/stream`` takes ``after=<seq>`` (or the SSE
 ``Last-Event-ID`` header; the larger wins) to first replay the kept records with a larger
 ``seq``. Reading ``/history`` and then streaming ``after`` its last ``seq`` misses nothing and
 repeats nothing: the hub registers the subscription and takes the backlog under one lock.
@@ -67,7 +69,7 @@ from typing import Any, Final, Self
 
 from flodl.errors import ConfigError
 from flodl.monitor.hub import MAX_HISTORY, RecordHub
-from flodl.monitor.records import validate_path
+from flodl.monitor.records import validate_kind, validate_path
 
 __all__ = [
     "THEMES",
@@ -95,6 +97,7 @@ MAX_REQUEST_LINE: Final = 8 * 1024
 MAX_HEADER_BYTES: Final = 16 * 1024
 MAX_HEADER_LINES: Final = 100
 MAX_QUERY_FIELDS: Final = 16
+MAX_KINDS_PARAM: Final = 16
 DEFAULT_HISTORY_N: Final = 200
 _SEQ_LIMIT: Final = 2**63
 _LINGER_BYTES: Final = 256 * 1024
@@ -329,6 +332,23 @@ def _param_int(raw: str | None, default: int, low: int, high: int, what: str) ->
     return int(raw)
 
 
+def _param_kinds(query: dict[str, str], name: str) -> frozenset[str] | None:
+    """A comma-separated list of record kinds (``None`` when the parameter is absent)."""
+    raw = query.get(name)
+    if raw is None:
+        return None
+    parts = raw.split(",")
+    try:
+        if len(parts) > MAX_KINDS_PARAM:
+            raise ConfigError("too many kinds")
+        return frozenset(validate_kind(k) for k in parts)
+    except ConfigError:
+        raise _HttpError(
+            HTTPStatus.BAD_REQUEST,
+            f"{name} must be 1 to {MAX_KINDS_PARAM} comma-separated record kinds ([a-z][a-z0-9_]*)",
+        ) from None
+
+
 def _param_flag(query: dict[str, str], name: str) -> bool:
     raw = query.get(name, "0")
     if raw not in ("0", "1"):
@@ -544,9 +564,12 @@ class DashboardServer:
             path = _param_path(query)
             n = _param_int(query.get("n"), DEFAULT_HISTORY_N, 1, MAX_HISTORY, "n")
             children = _param_flag(query, "children")
+            deep = _param_kinds(query, "deep") or frozenset()
+            kinds = _param_kinds(query, "kinds")
             if path not in hub:
                 raise _HttpError(HTTPStatus.NOT_FOUND, "unknown path")
-            return hub.history_json(path, n, children=children)  # kept texts, not re-encoded
+            # the kept texts, not re-encoded
+            return hub.history_json(path, n, children=children, deep=deep, kinds=kinds)
         else:
             raise _HttpError(HTTPStatus.NOT_FOUND, "unknown endpoint")
         return json.dumps(body, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
@@ -557,6 +580,7 @@ class DashboardServer:
         query = request.query
         path = _param_path(query)
         children = _param_flag(query, "children")
+        deep = _param_kinds(query, "deep") or frozenset()
         after = _param_int(query.get("after"), -1, 0, _SEQ_LIMIT - 1, "after")
         last_id = _param_int(
             request.headers.get("last-event-id") or None, -1, 0, _SEQ_LIMIT - 1, "Last-Event-ID"
@@ -564,7 +588,9 @@ class DashboardServer:
         if path not in self.hub:
             raise _HttpError(HTTPStatus.NOT_FOUND, "unknown path")
         start = max(after, last_id)
-        sub = self.hub.subscribe(path, after=None if start < 0 else start, children=children)
+        sub = self.hub.subscribe(
+            path, after=None if start < 0 else start, children=children, deep=deep
+        )
         eof = asyncio.ensure_future(reader.read(1))  # the client sends nothing more: EOF = gone
         nxt: asyncio.Future[tuple[int, str] | None] | None = None
         loop = asyncio.get_running_loop()

@@ -214,10 +214,8 @@ class MonitorSession:
         if self.save_path is not None and self.hub is not None:
             try:
                 from flodl.monitor.archive import save_dashboard
-                from flodl.monitor.hub import MAX_HISTORY
 
-                tree = {p: self.hub.history(p, MAX_HISTORY) for p in self.hub.paths()}
-                save_dashboard(self.save_path, tree, theme=self.theme)
+                save_dashboard(self.save_path, self.hub.tree(), theme=self.theme)
             except Exception:
                 logger.exception("saving the dashboard to %s failed", self.save_path)
         if self.dashboard is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -127,9 +127,17 @@ class SignallingHub(RecordHub):
         super().__init__()
         self.history_served = threading.Event()
 
-    def history_json(self, path: str, n: int = 200, *, children: bool = False) -> str:
+    def history_json(
+        self,
+        path: str,
+        n: int = 200,
+        *,
+        children: bool = False,
+        deep: Collection[str] = (),
+        kinds: Collection[str] | None = None,
+    ) -> str:
         try:
-            return super().history_json(path, n, children=children)
+            return super().history_json(path, n, children=children, deep=deep, kinds=kinds)
         finally:
             if children:
                 self.history_served.set()

@@ -2,8 +2,10 @@
 ranks train, then the self-contained file ``save_dashboard`` wrote at the end.
 
 The run is the integration tests' user script (``tests/integration/callbacks_main.py``) with
-``--dashboard --save-dashboard``; ranks sleep a few ms a step so the run lasts long enough to
-be looked at while it trains.
+``--dashboard --save-dashboard`` and a held-out eval every 5 epochs; ranks sleep a few ms a
+step so the run lasts long enough to be looked at while it trains. Both pages draw the run
+panels from the coordinator's own records: the eval curve, the per-rank timeline of the last
+averaging windows, the roster (the run's formation) and the contribution table.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -37,7 +39,9 @@ def element(dom: str, tag: str, element_id: str) -> str:
     return m[1]
 
 
-def assert_run_rendered(dom: str) -> None:
+def assert_run_rendered(dom: str, sampled: set[str] | None = None) -> None:
+    """The page drew the run; ``sampled``: the ranks whose resource samples it holds (``None``:
+    not known, as on the live page between two samples)."""
     assert re.search(r'<body\b[^>]*\bdata-ready="1"', dom), "the page never finished a render"
     for chart in ("loss-chart", "throughput-chart"):
         series = re.findall(r'<path\b[^>]*\bclass="series"', element(dom, "svg", chart))
@@ -47,6 +51,30 @@ def assert_run_rendered(dom: str) -> None:
     assert paths == {"root/rank0", "root/rank1"}
     assert "loss (work-weighted mean)" in dom and "throughput (sum)" in dom
     assert "anchor" in element(dom, "dl", "cadence")
+    # the run panels: a timeline lane per rank, the formation in the roster, a resource row
+    # per sampled rank (the ranks sample every 5 s)
+    assert not re.search(r'<div\b[^>]*\bid="run-panels"[^>]*\bhidden', dom)
+    timeline = element(dom, "svg", "timeline")
+    assert set(re.findall(r'<g\b[^>]*\bclass="lane"[^>]*\bdata-rank="(\d+)"', timeline)) == {
+        "0",
+        "1",
+    }
+    assert 'data-change="formed"' in element(dom, "table", "roster")
+    resources = element(dom, "table", "resources")
+    rows = set(re.findall(r"<td>(rank\d+)</td><td>[\d.]+ %</td>", resources))
+    if sampled is None:
+        assert rows <= {"rank0", "rank1"} and (rows or "no resource samples" in resources)
+    else:
+        assert rows == sampled, resources
+        assert (not rows) == ("no resource samples" in resources)
+
+
+def archived(html: str) -> list[dict[str, Any]]:
+    """Every record the saved page embeds."""
+    tag = r'<script type="application/json" id="flodl-archive">(.*?)</script>'
+    m = re.search(tag, html, re.DOTALL)
+    assert m is not None, "no embedded archive"
+    return [rec for recs in json.loads(m[1])["records"].values() for rec in recs]
 
 
 def get(url: str) -> tuple[int, str]:
@@ -66,7 +94,7 @@ def test_live_dashboard_during_a_two_rank_run_and_the_saved_file_after(
         str(SCRIPT),
         *("--tag", f"flodl-test-{uuid.uuid4().hex}", "--log-dir", str(tmp_path / "logs")),
         *("--ranks", "2", "--epochs", "20", "--samples", "4096", "--max-anchor", "10"),
-        *("--slow", "0:12,1:20", "--reports", "4", "--dashboard"),
+        *("--slow", "0:12,1:20", "--reports", "4", "--dashboard", "--eval", "--eval-every", "5"),
         *("--save-dashboard", str(saved), "--theme", "dark"),
     ]
     env = {**os.environ, "FLODL_DASHBOARD_STREAM_S": "1", "FLODL_NET_TIMEOUT_SCALE": "0.5"}
@@ -123,10 +151,34 @@ def test_live_dashboard_during_a_two_rank_run_and_the_saved_file_after(
     assert 'const ARCHIVE_THEME="dark";' in html or "const ARCHIVE_THEME='dark';" in html
     assert "connect-src 'none'" in html  # the file makes no network request
     file_dom = browser.dump_dom(saved.as_uri())
-    assert_run_rendered(file_dom)
+    sampled = {
+        f"rank{rec['data']['rank']}"
+        for rec in archived(html)
+        if rec["kind"] == "resource" and rec["data"].get("cpu_percent") is not None
+    }
+    assert_run_rendered(file_dom, sampled)
     assert browser.console_errors() == []
     final_shot = browser.screenshot(saved.as_uri(), tmp_path / "saved.png")
     assert final_shot.stat().st_size > 10_000
     # every epoch of the run is in the archive
     epochs = set(re.findall(r'"epoch":(\d+)', html))
     assert {str(e) for e in range(20)} <= epochs, sorted(epochs)
+    # the run panels' records are embedded, and the file draws them
+    records = archived(html)
+    kinds = {rec["kind"] for rec in records}
+    assert {"window", "eval", "contribution", "callback", "job"} <= kinds, sorted(kinds)
+    evals = [rec for rec in records if rec["kind"] == "eval"]
+    assert {rec["data"]["epoch"] for rec in evals} == {4, 9, 14, 19}, evals
+    windows = [rec for rec in records if rec["kind"] == "window"]
+    contribution = [rec for rec in records if rec["kind"] == "contribution"]
+    assert [rec["data"]["epoch"] for rec in contribution] == list(range(20))
+    chart = element(file_dom, "svg", "eval-chart")
+    assert len(re.findall(r'<circle\b[^>]*\bclass="point"', chart)) == len(evals)
+    timeline = element(file_dom, "svg", "timeline")
+    drawn = re.findall(r'<rect\b[^>]*\bclass="win"[^>]*\bdata-cycle="(\d+)"', timeline)
+    assert [int(c) for c in drawn] == [rec["data"]["cycle"] for rec in windows[-20:]]
+    assert re.search(r'class="seg compute"', timeline)
+    advice = re.findall(
+        r'<tr\b[^>]*\bdata-advice="(\w+)"', element(file_dom, "table", "contribution")
+    )
+    assert len(advice) == 2 and set(advice) <= {"keep", "cpu_async", "evict"}, advice

@@ -244,7 +244,9 @@ async def test_root_serves_the_page_with_a_hash_pinned_csp() -> None:
     assert r.headers["content-type"] == "text/html; charset=utf-8"
     assert_hardened(r)
     html = r.body.decode()
-    for hook in ("breadcrumb", "loss-chart", "throughput-chart", "children", "alerts", "cadence"):
+    hooks = ("breadcrumb", "loss-chart", "throughput-chart", "children", "alerts", "cadence")
+    run_hooks = ("run-panels", "eval-chart", "timeline", "roster", "resources", "contribution")
+    for hook in hooks + run_hooks:
         assert f'id="{hook}"' in html
     assert html.count(THEME_LINE) == 1
     csp = r.headers["content-security-policy"]
@@ -317,6 +319,75 @@ async def test_stream_sends_published_records_as_sse() -> None:
     assert [r["path"] for r in got] == ["root/rank0"] * 3 + ["root"]
     assert [r["seq"] for r in got] == [18, 19, 20, 22]
     assert got[-1]["data"] == {"class": "drift"}
+
+
+def run_hub() -> RecordHub:
+    """A two-host run: root's run records and rank records two levels below root."""
+    hub = RecordHub()
+    rows: list[tuple[str, str, dict[str, Any]]] = [
+        ("root", "node", {"loss": 1.0}),
+        ("root", "window", {"cycle": 0, "ranks": [0, 1]}),
+        ("root/h0", "node", {"loss": 1.0}),
+        ("root/h0/rank0", "node", {"loss": 1.0}),
+        ("root/h0/rank0", "callback", {"fn": "eval", "elapsed_ms": 12.0}),
+        ("root", "eval", {"epoch": 0, "metric": 0.5, "rank": 0}),
+        ("root/h1/rank1", "resource", {"cpu_percent": 50.0}),
+        ("root/h1/rank1", "event", {"class": "rank_lost", "detail": "gone"}),
+    ]
+    for i, (path, kind, data) in enumerate(rows):
+        hub.publish(make_record(path, kind, data, ts_ms=T0 + i))
+    return hub
+
+
+async def test_history_deep_and_kinds_widen_and_narrow_the_scope() -> None:
+    async with serving(run_hub()) as s:
+        scoped = await get(s.port, "/history?path=root&children=1&deep=callback,resource,event")
+        deep_only = await get(
+            s.port, "/history?path=root&deep=callback,resource,event&kinds=callback,resource,event"
+        )
+        evals = await get(s.port, "/history?path=root&kinds=eval&n=10000")
+    for r in (scoped, deep_only, evals):
+        assert r.status == 200
+        assert_hardened(r)
+    assert [(x["path"], x["kind"]) for x in scoped.json()] == [
+        ("root", "node"),
+        ("root", "window"),
+        ("root/h0", "node"),
+        ("root/h0/rank0", "callback"),
+        ("root", "eval"),
+        ("root/h1/rank1", "resource"),
+        ("root/h1/rank1", "event"),
+    ]
+    assert [x["kind"] for x in deep_only.json()] == ["callback", "resource", "event"]
+    assert [x["data"]["metric"] for x in evals.json()] == [0.5]
+
+
+async def test_stream_deep_follows_those_kinds_below_the_children() -> None:
+    async with serving(run_hub()) as s:
+        client, head = await SseClient.open(
+            s.port, "/stream?path=root&children=1&deep=callback,event&after=4"
+        )
+        try:
+            assert head.status == 200
+
+            def publish() -> None:
+                for path, kind in (
+                    ("root/h0/rank0", "node"),  # not in scope: a grandchild's node record
+                    ("root/h0/rank0", "callback"),
+                    ("root/h1", "node"),
+                ):
+                    s.hub.publish(make_record(path, kind, {}, ts_ms=T0))
+
+            await asyncio.to_thread(publish)
+            got = await client.records(4)
+        finally:
+            await client.close()
+    assert [(r["path"], r["kind"], r["seq"]) for r in got] == [
+        ("root/h0/rank0", "callback", 5),  # the backlog after seq 4
+        ("root", "eval", 6),
+        ("root/h1/rank1", "event", 8),
+        ("root/h0/rank0", "callback", 10),
+    ]
 
 
 async def test_stream_replays_after_and_last_event_id() -> None:
@@ -426,6 +497,17 @@ HOSTILE: list[tuple[str, bytes, set[int]]] = [
     ("n huge", GET.format("/history?path=root&n=" + "9" * 40).encode(), {400}),
     ("repeated param", GET.format("/history?path=root&n=5&n=6").encode(), {400}),
     ("bad children flag", GET.format("/history?path=root&children=yes").encode(), {400}),
+    ("empty kinds", GET.format("/history?path=root&kinds=").encode(), {400}),
+    ("bad kind", GET.format("/history?path=root&kinds=Eval").encode(), {400}),
+    ("markup kind", GET.format("/history?path=root&kinds=%3Cscript%3E").encode(), {400}),
+    ("trailing comma kind", GET.format("/history?path=root&deep=eval,").encode(), {400}),
+    ("long kind", GET.format("/history?path=root&deep=" + "a" * 33).encode(), {400}),
+    (
+        "too many kinds",
+        GET.format("/history?path=root&kinds=" + ",".join(f"k{i}" for i in range(17))).encode(),
+        {400},
+    ),
+    ("bad stream deep", GET.format("/stream?path=root&deep=../x").encode(), {400}),
     ("bad after", GET.format("/stream?path=root&after=-1").encode(), {400}),
     ("bad last-event-id", b"GET /stream?path=root HTTP/1.1\r\nLast-Event-ID: x\r\n\r\n", {400}),
     (
@@ -728,6 +810,26 @@ def test_save_dashboard_embeds_escaped_records_atomically(tmp_path: Path) -> Non
     # A second save replaces the file in one rename.
     save_dashboard(out, {"root": tree["root"][:1]})
     assert THEME_LINE in out.read_text(encoding="utf-8")
+
+
+def test_a_saved_hub_tree_embeds_every_kept_record(tmp_path: Path) -> None:
+    """A run longer than a ring: the archive still holds the meta record (evicted from the
+    main ring long ago), all evals and the last windows, not only MAX_HISTORY of the root."""
+    hub = RecordHub(max_per_node=200)
+    hub.publish(make_record("root", "meta", {"reductions": {"loss": "mean"}}, ts_ms=T0))
+    for i in range(1000):
+        hub.publish(make_record("root", "window", {"cycle": i}, ts_ms=T0 + i))
+        hub.publish(make_record("root", "node", {"loss": 1.0}, ts_ms=T0 + i))
+        if i % 100 == 0:
+            hub.publish(make_record("root", "eval", {"epoch": i // 100}, ts_ms=T0 + i))
+    html = save_dashboard(tmp_path / "run.html", hub.tree()).read_text(encoding="utf-8")
+    m = re.search(r'<script type="application/json" id="flodl-archive">(.*?)</script>', html)
+    assert m is not None
+    kept = json.loads(m[1])["records"]["root"]
+    kinds = [r["kind"] for r in kept]
+    assert kinds[0] == "meta" and kinds.count("node") == 200 and kinds.count("eval") == 10
+    assert [r["data"]["cycle"] for r in kept if r["kind"] == "window"][-1] == 999
+    assert [r["seq"] for r in kept] == sorted(r["seq"] for r in kept)
 
 
 def test_save_dashboard_refuses_bad_input(tmp_path: Path) -> None:

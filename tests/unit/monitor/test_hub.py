@@ -178,6 +178,157 @@ def test_bad_bounds_are_refused(kwargs: dict[str, Any]) -> None:
         RecordHub(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "retention",
+    [
+        {"Window": (10, 1000)},
+        {"window": (0, 1000)},
+        {"window": (10, True)},
+        {"window": (10,)},
+        {"window": [10, 1000]},
+    ],
+)
+def test_bad_kind_retention_is_refused(retention: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="kind_retention"):
+        RecordHub(kind_retention=retention)
+
+
+# -- kind rings ------------------------------------------------------------------------------------
+
+
+def test_a_flood_of_one_kind_evicts_neither_the_evals_nor_the_node_records() -> None:
+    """The coordinator writes a window record per averaging cycle at root: with a ring of its
+    own it keeps its last records and leaves the run's evals and the loss chart alone."""
+    hub = RecordHub(max_per_node=50)
+    for epoch in range(30):
+        hub.publish(rec("root", epoch, kind="eval", metric=0.1 * epoch))
+        hub.publish(rec("root", epoch, loss=1.0 / (epoch + 1)))
+        for cycle in range(100):
+            hub.publish(rec("root", 100 * epoch + cycle, kind="window"))
+    window_cap = hub.kind_retention["window"][0]
+    kept = hub.history("root", MAX_HISTORY)
+    by_kind = {k: [r["data"]["i"] for r in kept if r["kind"] == k] for k in ("eval", "node")}
+    assert by_kind == {"eval": list(range(30)), "node": list(range(30))}
+    windows = hub.history("root", MAX_HISTORY, kinds=["window"])
+    assert [r["data"]["i"] for r in windows] == list(range(3000 - window_cap, 3000))
+    assert [r["seq"] for r in kept] == sorted(r["seq"] for r in kept)  # one merged order
+
+
+def test_a_kind_ring_is_bounded_by_its_own_count_and_bytes() -> None:
+    hub = RecordHub(kind_retention={"window": (5, 10_000), "eval": (1000, 700)})
+    for i in range(12):
+        hub.publish(rec("root", i, kind="window"))
+        hub.publish(rec("root", i, kind="eval", pad="x" * 60))
+    assert [r["data"]["i"] for r in hub.history("root", 100, kinds=["window"])] == list(
+        range(7, 12)
+    )
+    evals = hub.history("root", 100, kinds=["eval"])
+    assert 1 < len(evals) < 12 and evals[-1]["data"]["i"] == 11
+    assert sum(len(json.dumps(r, separators=(",", ":"))) for r in evals) <= 700
+    # a record larger than its kind ring's bound is dropped; the main ring's bound is not it
+    assert hub.publish(rec("root", 99, kind="eval", pad="x" * 800)) is None
+    assert hub.publish(rec("root", 99, pad="x" * 800)) is not None
+    # the kinds of no table entry share the main ring, as before
+    assert hub.kind_retention.keys() == {"window", "eval"}
+
+
+def test_history_kinds_keeps_only_those_kinds_of_the_scope() -> None:
+    hub = RecordHub()
+    for i, (path, kind) in enumerate(
+        [
+            ("root", "node"),
+            ("root", "eval"),
+            ("root/rank0", "callback"),
+            ("root", "window"),
+            ("root", "anchor"),  # a kind of the main ring
+            ("root/rank0", "node"),
+        ]
+    ):
+        hub.publish(rec(path, i, kind=kind))
+    got = hub.history("root", 100, children=True, kinds=["eval", "anchor", "callback"])
+    assert [(r["path"], r["kind"]) for r in got] == [
+        ("root", "eval"),
+        ("root/rank0", "callback"),
+        ("root", "anchor"),
+    ]
+    assert hub.history("root", 100, kinds=[]) == []
+    assert [r["kind"] for r in hub.history("root", 1, kinds=["node", "window"])] == ["window"]
+    with pytest.raises(ConfigError, match="kinds"):
+        hub.history("root", 10, kinds=["Bad kind"])
+    with pytest.raises(ConfigError, match="kinds"):
+        hub.history("root", 10, kinds="eval")  # a string is not a collection of kinds
+
+
+def test_deep_adds_those_kinds_at_every_depth_below() -> None:
+    hub = RecordHub()
+    layout = [
+        ("root", "node"),
+        ("root/h0", "node"),
+        ("root/h0/rank0", "node"),
+        ("root/h0/rank0", "callback"),
+        ("root/h0/rank0", "event"),
+        ("root/h1/rank1", "resource"),
+        ("root/h1", "callback"),
+        ("root/h1/rank1", "node"),
+    ]
+    for i, (path, kind) in enumerate(layout):
+        hub.publish(rec(path, i, kind=kind))
+
+    def scope(**kw: Any) -> list[tuple[str, str]]:
+        return [(r["path"], r["kind"]) for r in hub.history("root", 100, **kw)]
+
+    deep = ["callback", "resource", "event"]
+    assert scope(children=True, deep=deep) == [
+        ("root", "node"),
+        ("root/h0", "node"),
+        ("root/h0/rank0", "callback"),
+        ("root/h0/rank0", "event"),
+        ("root/h1/rank1", "resource"),
+        ("root/h1", "callback"),
+    ]
+    assert scope(deep=["callback"]) == [
+        ("root", "node"),
+        ("root/h0/rank0", "callback"),
+        ("root/h1", "callback"),  # a child's record of a deep kind, without children=True
+    ]
+    assert scope(deep=deep, kinds=deep) == [
+        ("root/h0/rank0", "callback"),
+        ("root/h0/rank0", "event"),
+        ("root/h1/rank1", "resource"),
+        ("root/h1", "callback"),
+    ]
+    assert [r["kind"] for r in hub.history("root/h0", 100, deep=deep)] == [
+        "node",
+        "callback",
+        "event",
+    ]
+    with pytest.raises(ConfigError, match="deep"):
+        hub.history("root", 10, deep=["no-dashes"])
+
+
+def test_kept_holds_every_ring_and_the_latest_of_each_kind() -> None:
+    """What the saved dashboard embeds: more than MAX_HISTORY when the kind rings hold it,
+    and the meta record the main ring evicted long ago."""
+    hub = RecordHub(max_per_node=MAX_HISTORY)
+    hub.publish(make_record("root", "meta", {"reductions": {}}, ts_ms=T0))
+    for i in range(MAX_HISTORY + 5):
+        hub.publish(rec("root", i))
+    for i in range(3):
+        hub.publish(rec("root", i, kind="eval"))
+    hub.publish(rec("root/rank0", 0, kind="callback"))
+    kept = hub.kept("root")
+    assert len(kept) == 1 + MAX_HISTORY + 3
+    assert kept[0]["kind"] == "meta" and kept[0]["seq"] == 1
+    assert [r["seq"] for r in kept] == sorted(r["seq"] for r in kept)
+    assert next(r["data"]["i"] for r in kept if r["kind"] == "node") == 5
+    assert hub.kept("root/nope") == []
+    tree = hub.tree()
+    assert list(tree) == ["root", "root/rank0"]
+    assert [r["kind"] for r in tree["root/rank0"]] == ["callback"]
+    with pytest.raises(ConfigError):
+        hub.kept("root/../x")
+
+
 # -- tree and node() -------------------------------------------------------------------------------
 
 
@@ -351,6 +502,41 @@ async def test_subscription_delivers_later_records_of_its_scope() -> None:
     assert hub.subscriber_count() == 0
 
 
+async def test_a_deep_subscription_follows_those_kinds_below_its_node() -> None:
+    hub = RecordHub()
+    sub = hub.subscribe("root", children=True, deep=["callback", "event"])
+    host = hub.subscribe("root/h0", deep=["event"])
+    sent = [
+        ("root/h0/rank0", "node"),  # out: a grandchild's node record
+        ("root/h0/rank0", "callback"),
+        ("root/h0", "node"),
+        ("root/h0/rank1", "event"),
+        ("root", "window"),
+        ("root/h0/rank1", "resource"),  # out: not a deep kind
+    ]
+    for i, (path, kind) in enumerate(sent):
+        hub.publish(rec(path, i, kind=kind))
+    last = hub.last_seq
+    got = await drain(sub, last - 1)
+    assert [(r["path"], r["kind"]) for r in got] == [
+        ("root/h0/rank0", "callback"),
+        ("root/h0", "node"),
+        ("root/h0/rank1", "event"),
+        ("root", "window"),
+    ]
+    end = hub.publish(rec("root/h0", 99))
+    assert end is not None
+    assert [(r["path"], r["kind"]) for r in await drain(host, end)] == [
+        ("root/h0", "node"),
+        ("root/h0/rank1", "event"),
+        ("root/h0", "node"),
+    ]
+    with pytest.raises(ConfigError, match="deep"):
+        hub.subscribe("root", deep=["Bad"])
+    sub.close()
+    host.close()
+
+
 async def test_subscribe_after_replays_the_kept_records_first() -> None:
     hub = RecordHub()
     for i in range(10):
@@ -367,17 +553,22 @@ async def test_subscribe_after_replays_the_kept_records_first() -> None:
 async def test_history_then_stream_has_no_seam_under_concurrent_publishers() -> None:
     """Subscribers join at random moments while four threads publish; each one's history
     snapshot plus what it streams is exactly the whole scope, in seq order."""
-    hub = RecordHub(max_per_node=100_000, max_bytes_per_node=2**30)
+    hub = RecordHub(
+        max_per_node=100_000, max_bytes_per_node=2**30, kind_retention={"callback": (10**5, 2**30)}
+    )
     hub.publish(make_record("root", "meta", {"reductions": {}}, ts_ms=T0))
-    from_start = hub.subscribe("root", children=True, bound=100_000)
-    paths = ["root", "root/rank0", "root/rank1", "root/h/rank2"]  # root/h/rank2: out of scope
+    scope: dict[str, Any] = {"children": True, "deep": ["callback"]}
+    from_start = hub.subscribe("root", **scope, bound=100_000)
+    paths = ["root", "root/rank0", "root/rank1", "root/h/rank2"]  # root/h/rank2: deep only
     per_thread = 2000
     go = threading.Event()
 
     def publisher(path: str) -> None:
         go.wait()
         for i in range(per_thread):
-            hub.publish(rec(path, i))
+            # the grandchild's records are in scope every other one (callback, not node)
+            deep_one = path == "root/h/rank2" and i % 2 == 1
+            hub.publish(rec(path, i, kind="callback" if deep_one else "node"))
 
     threads = [threading.Thread(target=publisher, args=(p,)) for p in paths]
     for t in threads:
@@ -387,9 +578,9 @@ async def test_history_then_stream_has_no_seam_under_concurrent_publishers() -> 
     go.set()
     try:
         while any(t.is_alive() for t in threads) or len(joins) < 3:
-            snapshot = hub.history("root", MAX_HISTORY, children=True)
+            snapshot = hub.history("root", MAX_HISTORY, **scope)
             after = snapshot[-1]["seq"] if snapshot else 0
-            sub = hub.subscribe("root", after=after, children=True, bound=100_000)
+            sub = hub.subscribe("root", after=after, **scope, bound=100_000)
             joins.append((snapshot, sub))
             await asyncio.sleep(rng.uniform(0, 0.01))
     finally:
@@ -397,9 +588,11 @@ async def test_history_then_stream_has_no_seam_under_concurrent_publishers() -> 
             t.join()
     end = hub.publish(rec("root", per_thread, kind="event"))
     assert end is not None
-    everything = hub.history("root", MAX_HISTORY, children=True)
-    assert len(everything) == 1 + 3 * per_thread + 1  # meta + three in-scope publishers + end
-    assert [r["path"] for r in everything].count("root/h/rank2") == 0
+    everything = hub.history("root", MAX_HISTORY, **scope)
+    # meta + three in-scope publishers + the grandchild's callbacks + end
+    assert len(everything) == 1 + 3 * per_thread + per_thread // 2 + 1
+    deep = [r for r in everything if r["path"] == "root/h/rank2"]
+    assert len(deep) == per_thread // 2 and {r["kind"] for r in deep} == {"callback"}
 
     streamed_all = await drain(from_start, end)
     assert streamed_all == everything[1:]  # what the stream sent is exactly what history holds

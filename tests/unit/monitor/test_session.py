@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import io
+import json
+import re
 from pathlib import Path
 
+from flodl.monitor.hub import MAX_HISTORY
 from flodl.monitor.progress import ProgressDisplay, format_eta, format_rate
 from flodl.monitor.records import RecordLog, read_tree
 from flodl.monitor.session import MonitorSession, framework_reductions
@@ -88,6 +91,25 @@ def test_the_archive_is_written_at_close(tmp_path: Path) -> None:
     html = out.read_text()
     assert 'const ARCHIVE_THEME="light";' in html and "flodl-archive" in html
     session.close()  # idempotent
+
+
+def test_the_archive_holds_the_run_records_a_long_run_pushed_out_of_the_main_ring(
+    tmp_path: Path,
+) -> None:
+    """More root records than one history read returns: the archive still has the meta record,
+    the run's evals and its last windows (the hub's kept records, not a history tail)."""
+    out = tmp_path / "d.html"
+    session = MonitorSession(world_size=2, total_epochs=1, save_dashboard=out)
+    session.record("root", "eval", {"epoch": 0, "metric": 0.5, "rank": 0})
+    for cycle in range(300):
+        session.record("root", "window", {"cycle": cycle, "ranks": [0, 1]})
+    for i in range(MAX_HISTORY + 10):
+        session.record("root", "node", {"loss": 1.0, "i": i})
+    session.close()
+    m = re.search(r'id="flodl-archive">(.*?)</script>', out.read_text())
+    assert m is not None
+    kinds = [r["kind"] for r in json.loads(m[1])["records"]["root"]]
+    assert kinds[0] == "meta" and kinds.count("eval") == 1 and kinds.count("window") > 20
 
 
 def test_progress_lines() -> None:
