@@ -84,7 +84,14 @@ def _run_sim(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from flodl.sim.plan import RigPlan, format_plan, parse_speeds, plan_modes
+    from flodl.sim.plan import (
+        RigPlan,
+        format_plan,
+        lockstep_s,
+        lockstep_steps,
+        parse_speeds,
+        plan_modes,
+    )
 
     asked = [
         n
@@ -113,7 +120,9 @@ def _plan(args: argparse.Namespace) -> int:
     )
     traces = plan_modes(rig, modes)
     if args.json:
-        print(json.dumps({m: t.summary() for m, t in traces.items()}, indent=2))
+        out: dict[str, Any] = {m: t.summary() for m, t in traces.items()}
+        out["ddp_lockstep"] = {"wall_s": lockstep_s(rig), "syncs": lockstep_steps(rig)}
+        print(json.dumps(out, indent=2))
     else:
         print(format_plan(rig, traces))
     return 0

@@ -1,5 +1,6 @@
-"""The ``flodl demo`` command: a solo baseline in process, then the same task with N local ranks
-in one of the five modes, then a summary table.
+"""The ``flodl demo`` command: a solo baseline in process, what ``flodl sim`` predicts for the
+rig, the same task under lock-step DDP (:mod:`flodl.demo.lockstep`) and then under flodl with N
+local ranks in one of the five modes, then a summary table.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from flodl.demo.slowdown import slowed
 from flodl.demo.task import DemoTask, demo_task
 from flodl.errors import ConfigError
 
-__all__ = ["DemoOptions", "DemoResult", "run_demo", "format_summary"]
+__all__ = ["DemoOptions", "DemoResult", "Prediction", "predict", "run_demo", "format_summary"]
 
 DEFAULT_EPOCHS = 3
 BATCH_SIZE = 128
@@ -73,6 +74,19 @@ class DemoOptions:
 
 
 @dataclass
+class Prediction:
+    """What ``flodl sim`` predicts for the rig before the distributed runs (seconds)."""
+
+    ms_per_batch: list[float]
+    """Per rank: the solo run's measured ms per batch times the rank's slowdown."""
+    reduce_ms: float
+    lockstep_s: float
+    lockstep_syncs: int
+    train_s: float
+    syncs: int
+
+
+@dataclass
 class DemoResult:
     """What the summary table shows (times in seconds, accuracies 0..1)."""
 
@@ -87,11 +101,23 @@ class DemoResult:
     anchor: int
     trivial_accuracy: float
     files: dict[str, str]
+    lockstep_accuracy: float = math.nan
+    lockstep_wall_s: float = math.nan
+    lockstep_train_s: float = math.nan
+    lockstep_syncs: int = 0
+    predicted: Prediction | None = None
+    replayed_s: float | None = None
+    """``flodl sim --from-records``' replay of the run's training span (measured speeds)."""
 
     @property
     def diff_pp(self) -> float:
         """Distributed minus solo accuracy, percentage points."""
         return 100.0 * (self.accuracy - self.solo_accuracy)
+
+    @property
+    def speedup(self) -> float:
+        """flodl's training span against lock-step DDP's (> 1: flodl is faster)."""
+        return self.lockstep_train_s / self.train_s if self.train_s > 0 else math.nan
 
 
 def _is_rank() -> bool:
@@ -142,12 +168,24 @@ def run_demo(options: DemoOptions, out: Any = None) -> DemoResult | None:
         f"{options.seed}; most-frequent-character accuracy {100 * task.trivial_accuracy:.1f} %"
     )
     threads = max(1, cores // options.ranks)
-    say(f"\n[1/2] solo baseline: one rank's hardware alone ({threads} CPU thread(s)), in process")
+    say(f"\n[1/3] solo baseline: one rank's hardware alone ({threads} CPU thread(s)), in process")
     solo = _solo(options, task, threads, say)
+    predicted = predict(options, len(task.train), solo[2])
     say(
-        f"\n[2/2] {options.mode}: {options.ranks} local CPU ranks"
-        f"{' (' + slow_text + ')' if slow_text else ''}"
+        f"\nflodl sim predicts for this rig (ms/batch "
+        f"{', '.join(f'{ms:.1f}' for ms in predicted.ms_per_batch)} from the solo run, "
+        f"averaging {predicted.reduce_ms:g} ms): lock-step DDP {predicted.lockstep_s:.1f} s of "
+        f"training, {options.mode} {predicted.train_s:.1f} s "
+        f"({_ratio(predicted.lockstep_s, predicted.train_s)} faster)"
     )
+    rig = f"{options.ranks} local CPU ranks{' (' + slow_text + ')' if slow_text else ''}"
+    say(f"\n[2/3] lock-step DDP (torch DistributedDataParallel, Gloo): {rig}, equal shards")
+    lock = _lockstep(options, task, threads, root)
+    say(
+        f"  ddp  ▏held-out accuracy {100 * lock['metric']:.1f} % ▏training "
+        f"{lock['train_s']:.1f} s ▏{lock['total_s']:.1f} s"
+    )
+    say(f"\n[3/3] flodl {options.mode}: {rig}")
     t0 = time.perf_counter()
     metrics: list[Any] = []
     state = _distributed(options, task, metrics, files=files)
@@ -155,23 +193,120 @@ def run_demo(options: DemoOptions, out: Any = None) -> DemoResult | None:
     assert state is not None
     model = task.model_factory("cpu")
     state.load_into(model)
-    last = metrics[-1] if metrics else None
+    recorded = from_records(files["records"])
     result = DemoResult(
         solo_accuracy=solo[0],
         accuracy=task.eval_fn(model, task.held_out),
         solo_wall_s=solo[1],
         wall_s=wall,
         solo_train_s=solo[2],
-        train_s=sum(m.epoch_ms for m in metrics) / 1000.0,
-        batch_share=list(last.per_rank_batch_share) if last is not None else [],
-        syncs=int(last.syncs) if last is not None else 0,
-        anchor=int(last.anchor) if last is not None else 0,
+        train_s=recorded["train_s"],
+        batch_share=recorded["shares"],
+        syncs=recorded["syncs"],
+        anchor=recorded["anchor"],
         trivial_accuracy=task.trivial_accuracy,
         files={k: _display_path(v) for k, v in files.items()},
+        lockstep_accuracy=float(lock["metric"]),
+        lockstep_wall_s=float(lock["total_s"]),
+        lockstep_train_s=float(lock["train_s"]),
+        lockstep_syncs=int(lock["syncs"]),
+        predicted=predicted,
+        replayed_s=recorded["replayed_s"],
     )
     say()
     say(format_summary(options, result))
     return result
+
+
+def predict(options: DemoOptions, dataset_len: int, solo_train_s: float) -> Prediction:
+    """``flodl sim``'s prediction for the rig: the solo run's ms per batch on every rank, times
+    its slowdown; lock-step DDP from :func:`~flodl.sim.plan.lockstep_s`, the mode from the
+    simulator (the production coordinator), the averaging cost at ``flodl sim``'s default."""
+    from flodl.sim.plan import RigPlan, lockstep_s, lockstep_steps, plan_modes
+
+    solo_batches = options.epochs * math.ceil(dataset_len / BATCH_SIZE)
+    base_ms = 1000.0 * solo_train_s / max(1, solo_batches)
+    speeds = tuple(options.slow.get(r, 1.0) for r in range(options.ranks))
+    rig = RigPlan(
+        speeds=speeds,
+        base_ms=base_ms,
+        dataset_len=dataset_len,
+        batch_size=BATCH_SIZE,
+        epochs=options.epochs,
+        seed=options.seed,
+    )
+    trace = plan_modes(rig, [options.mode])[options.mode]
+    return Prediction(
+        ms_per_batch=rig.ms_per_batch,
+        reduce_ms=rig.reduce_ms,
+        lockstep_s=lockstep_s(rig),
+        lockstep_syncs=lockstep_steps(rig),
+        train_s=trace.wall_s,
+        syncs=trace.cycles,
+    )
+
+
+def from_records(records: str) -> dict[str, Any]:
+    """What the summary's flodl column shows, read from the run's record log: the training
+    span (the last ``epoch`` record's ``t_s``), its syncs and anchor, each rank's share of the
+    run's samples (the last ``contribution`` record: cumulative), and the replay's span
+    (:func:`flodl.sim.replay.replay`; ``None`` if the log cannot be replayed).
+
+    Raises:
+        FlodlError: the log has no epoch record (the run did not finish one).
+    """
+    from flodl.errors import FlodlError
+    from flodl.monitor.records import read_tree
+    from flodl.sim.replay import compare, recorded_run, replay
+
+    tree = read_tree(records)
+    root = tree.get("root", [])
+    epochs = [r["data"] for r in root if r.get("kind") == "epoch"]
+    if not epochs:
+        raise FlodlError(f"the run's record log {records} has no epoch record")
+    contribution = [r["data"] for r in root if r.get("kind") == "contribution"]
+    samples = [float(x["samples"]) for x in contribution[-1]["ranks"]] if contribution else []
+    total = sum(samples)
+    try:
+        replayed: float | None = compare(run := recorded_run(tree), replay(run))["predicted_s"]
+    except ConfigError:
+        replayed = None
+    return {
+        "train_s": float(epochs[-1]["t_s"]),
+        "syncs": int(epochs[-1]["syncs"]),
+        "anchor": int(epochs[-1]["anchor"]),
+        "shares": [x / total for x in samples] if total else [],
+        "replayed_s": replayed,
+    }
+
+
+def _lockstep(options: DemoOptions, task: DemoTask, threads: int, root: Path) -> dict[str, Any]:
+    """The lock-step baseline: real DDP on the same ranks, slowdowns, threads, epochs, batch
+    size and seed as the flodl run."""
+    import shutil
+    import tempfile
+
+    from flodl.demo.lockstep import run_lockstep
+
+    scratch = Path(tempfile.mkdtemp(prefix="lockstep-", dir=root))
+    try:
+        return run_lockstep(
+            world=options.ranks,
+            samples=options.samples,
+            seed=options.seed,
+            epochs=options.epochs,
+            batch_size=BATCH_SIZE,
+            slow=options.slow,
+            step_per_forward=task.step_per_forward,
+            threads=threads,
+            out_dir=scratch,
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}×" if b > 0 and math.isfinite(a / b) else "-"
 
 
 def _out_paths(root: Path) -> dict[str, str]:
@@ -281,33 +416,59 @@ def _distributed(
 
 
 def format_summary(options: DemoOptions, r: DemoResult) -> str:
-    """The summary table and where the files are."""
-    name = f"{options.mode}, {options.ranks} ranks"
+    """The summary table, the speed-up over lock-step, and where the files are."""
+    name = f"flodl {options.mode}"
     shares = " · ".join(f"r{i} {100 * s:.0f}%" for i, s in enumerate(r.batch_share)) or "-"
-    speed = r.solo_train_s / r.train_s if r.train_s > 0 else math.nan
+    equal = " · ".join(f"r{i} {100 / options.ranks:.0f}%" for i in range(options.ranks))
+    p = r.predicted
+
+    def acc(x: float) -> str:
+        return f"{100 * x:.1f} % ({100 * (x - r.solo_accuracy):+.1f} pp vs solo)"
+
     rows = [
-        ("", "solo", name),
+        ("", "solo", "lock-step DDP", name),
+        ("accuracy", f"{100 * r.solo_accuracy:.1f} %", acc(r.lockstep_accuracy), acc(r.accuracy)),
         (
-            "accuracy",
-            f"{100 * r.solo_accuracy:.1f} %",
-            f"{100 * r.accuracy:.1f} % ({r.diff_pp:+.1f} pp vs solo)",
+            "wall time",
+            f"{r.solo_wall_s:.1f} s",
+            f"{r.lockstep_wall_s:.1f} s",
+            f"{r.wall_s:.1f} s ({_ratio(r.lockstep_wall_s, r.wall_s)} lock-step's speed)",
         ),
-        ("wall time", f"{r.solo_wall_s:.1f} s", f"{r.wall_s:.1f} s (incl. rank start-up)"),
         (
             "training time",
             f"{r.solo_train_s:.1f} s",
-            f"{r.train_s:.1f} s ({speed:.2f}× solo's speed)",
+            f"{r.lockstep_train_s:.1f} s",
+            f"{r.train_s:.1f} s ({_ratio(r.lockstep_train_s, r.train_s)} lock-step's speed)",
         ),
-        ("batch share", "r0 100%", shares),
-        ("syncs", "-", str(r.syncs)),
-        ("anchor", "-", str(r.anchor)),
+        (
+            "predicted",
+            "-",
+            "-" if p is None else f"{p.lockstep_s:.1f} s",
+            "-" if p is None else f"{p.train_s:.1f} s ({p.syncs} syncs)",
+        ),
+        (
+            "replayed",
+            "-",
+            "-",
+            "-" if r.replayed_s is None else f"{r.replayed_s:.1f} s (from its records)",
+        ),
+        ("batch share", "r0 100%", equal, shares),
+        ("syncs", "-", str(r.lockstep_syncs), str(r.syncs)),
+        ("anchor", "-", "-", str(r.anchor)),
     ]
-    w0 = max(len(a) for a, _, _ in rows)
-    w1 = max(len(b) for _, b, _ in rows)
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
     trivial = 100 * r.trivial_accuracy
     lines = [f"summary (held-out next-character accuracy; always-the-commonest {trivial:.1f} %)"]
-    for a, b, c in rows:
-        lines.append(f"  {a.ljust(w0)}  {b.rjust(w1)}  {c}".rstrip())
+    for a, b, c, d in rows:
+        lines.append(
+            f"  {a.ljust(widths[0])}  {b.rjust(widths[1])}  {c.ljust(widths[2])}  {d}".rstrip()
+        )
+    lines.append("")
+    lines.append(
+        f"  flodl trained {_ratio(r.lockstep_train_s, r.train_s)} as fast as lock-step DDP on "
+        f"the same ranks: {r.syncs} averagings\n  instead of {r.lockstep_syncs} all-reduces, "
+        f"and batches split by speed ({shares}) instead of equally"
+    )
     lines.append("")
     lines.append(
         f"  records     {r.files['records']}/root.log  (flodl records tail {r.files['records']})"
@@ -316,4 +477,5 @@ def format_summary(options: DemoOptions, r: DemoResult) -> str:
     lines.append(
         f"  checkpoint  {r.files['checkpoint']}.meta.json (resume_from: {r.files['checkpoint']})"
     )
+    lines.append(f"  replay      flodl sim --from-records {r.files['records']}")
     return "\n".join(lines)

@@ -1,11 +1,14 @@
 """Capacity planning: predict each mode's wall time, idle and sync count for a rig.
 
 Pure module behind ``flodl sim``: runs :class:`~flodl.sim.cluster.SimCluster` once per mode on
-the same rig description and seed, and formats the comparison.
+the same rig description and seed, and formats the comparison. :func:`lockstep_s` predicts
+lock-step synchronous data parallelism (DDP: equal shards, a gradient all-reduce every step)
+on the same rig, the baseline the comparison is against.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,7 +16,7 @@ from flodl.config import DEFAULT_BATCH_SIZE, MODES
 from flodl.errors import ConfigError
 from flodl.sim.cluster import SimCluster, SimTrace
 
-__all__ = ["RigPlan", "parse_speeds", "plan_modes", "format_plan"]
+__all__ = ["RigPlan", "parse_speeds", "plan_modes", "lockstep_s", "lockstep_steps", "format_plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +52,22 @@ def parse_speeds(text: str) -> tuple[float, ...]:
     if any(not (v > 0 and v < float("inf")) for v in values):
         raise ConfigError(f"--speeds: every entry must be a finite number > 0, got {text!r}")
     return values
+
+
+def lockstep_steps(rig: RigPlan) -> int:
+    """Steps (and gradient all-reduces) of one rank under lock-step DDP: every rank gets
+    ``ceil(dataset_len / world)`` samples of an epoch (``DistributedSampler`` pads to equal
+    shards), cut into batches of ``batch_size``."""
+    per_rank = math.ceil(rig.dataset_len / len(rig.speeds))
+    return rig.epochs * math.ceil(per_rank / rig.batch_size)
+
+
+def lockstep_s(rig: RigPlan) -> float:
+    """Predicted training seconds under lock-step DDP: each step lasts as long as the slowest
+    rank's batch plus one all-reduce of the gradients (``reduce_ms``, the same volume as an
+    averaging of the parameters); no overlap of the all-reduce with the backward is assumed
+    (a small model's all-reduce is one bucket, sent after the backward)."""
+    return lockstep_steps(rig) * (max(rig.ms_per_batch) + rig.reduce_ms) / 1000.0
 
 
 def plan_modes(rig: RigPlan, modes: Sequence[str] = MODES) -> dict[str, SimTrace]:
@@ -95,12 +114,24 @@ def format_plan(rig: RigPlan, traces: dict[str, SimTrace]) -> str:
         ),
         f"{'mode':<13} {'wall s':>9} {'vs solo':>8} {'syncs':>7} {'anchor':>7}  {idle_hdr}",
     ]
-    for mode, tr in traces.items():
-        idle = " ".join(f"{f * 100:7.1f}% " for f in tr.idle_fraction)
-        anchor = str(tr.anchors[-1]) if tr.anchors and mode != "solo" else "-"
-        syncs = "-" if mode == "solo" else str(tr.cycles)
-        lines.append(
-            f"{mode:<13} {tr.wall_s:9.2f} {solo / tr.wall_s if tr.wall_s else 0:7.2f}× "
-            f"{syncs:>7} {anchor:>7}  {idle}"
-        )
+    rows = list(traces.items())
+    for mode, tr in rows[:1]:
+        lines.append(_row(mode, tr, solo))
+    lock = lockstep_s(rig)
+    lines.append(
+        f"{'ddp_lockstep':<13} {lock:9.2f} {solo / lock if lock else 0:7.2f}× "
+        f"{lockstep_steps(rig):>7} {'-':>7}  (an all-reduce per step; computed, not simulated)"
+    )
+    for mode, tr in rows[1:]:
+        lines.append(_row(mode, tr, solo))
     return "\n".join(lines)
+
+
+def _row(mode: str, tr: SimTrace, solo: float) -> str:
+    idle = " ".join(f"{f * 100:7.1f}% " for f in tr.idle_fraction)
+    anchor = str(tr.anchors[-1]) if tr.anchors and mode != "solo" else "-"
+    syncs = "-" if mode == "solo" else str(tr.cycles)
+    return (
+        f"{mode:<13} {tr.wall_s:9.2f} {solo / tr.wall_s if tr.wall_s else 0:7.2f}× "
+        f"{syncs:>7} {anchor:>7}  {idle}"
+    )

@@ -61,12 +61,12 @@ def assert_run_rendered(dom: str, sampled: set[str] | None = None) -> None:
     }
     assert 'data-change="formed"' in element(dom, "table", "roster")
     resources = element(dom, "table", "resources")
-    rows = set(re.findall(r"<td>(rank\d+)</td><td>[\d.]+ %</td>", resources))
+    drawn = set(re.findall(r"<td>(rank\d+)</td><td>[\d.]+ %</td>", resources))
     if sampled is None:
-        assert rows <= {"rank0", "rank1"} and (rows or "no resource samples" in resources)
+        assert drawn <= {"rank0", "rank1"} and (drawn or "no resource samples" in resources)
     else:
-        assert rows == sampled, resources
-        assert (not rows) == ("no resource samples" in resources)
+        assert drawn == sampled, resources
+        assert (not drawn) == ("no resource samples" in resources)
 
 
 def archived(html: str) -> list[dict[str, Any]]:

@@ -17,41 +17,74 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.timeout(180)
-def test_demo_trains_solo_then_two_unequal_ranks_and_writes_its_files(tmp_path: Path) -> None:
+@pytest.mark.timeout(240)
+def test_demo_trains_solo_lockstep_then_flodl_and_its_table_matches_the_records(
+    tmp_path: Path,
+) -> None:
     out_dir = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "flodl", "demo", "--epochs", "1", "--out", str(out_dir)],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=170,
+        timeout=230,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    # the two runs, in order, and the progress display of the distributed one
-    assert out.index("[1/2] solo baseline") < out.index("[2/2] cpu_cadence: 2 local CPU ranks")
+    # the three runs in order, the prediction before the distributed ones
+    order = [
+        "[1/3] solo baseline",
+        "flodl sim predicts for this rig",
+        "[2/3] lock-step DDP (torch DistributedDataParallel, Gloo): 2 local CPU ranks",
+        "[3/3] flodl cpu_cadence: 2 local CPU ranks",
+    ]
+    assert [out.index(s) for s in order] == sorted(out.index(s) for s in order)
     assert "rank 1 slowed 3×" in out
     assert "flodl ▏epoch 1/1" in out
     summary = out[out.index("summary (") :]
-    rows = {line.split()[0] for line in summary.splitlines()[1:] if line.strip()}
-    assert {"accuracy", "wall", "training", "batch", "syncs", "anchor"} <= rows
-    accuracy = re.search(r"accuracy\s+([\d.]+) %\s+([\d.]+) % \(([+-][\d.]+) pp vs solo\)", summary)
-    assert accuracy is not None, summary
-    solo, dist = float(accuracy.group(1)), float(accuracy.group(2))
-    assert solo > 40.0 and dist > 40.0  # one epoch already beats the trivial ~30 %
-    share = re.search(r"batch share\s+r0 100%\s+r0 (\d+)% · r1 (\d+)%", summary)
-    assert share is not None, summary
-    assert int(share.group(1)) > int(share.group(2))  # the fast rank did more of the work
-    assert int(re.search(r"syncs\s+-\s+(\d+)", summary).group(1)) > 0  # type: ignore[union-attr]
+    table = {}
+    for line in summary.splitlines()[2:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) == 4:
+            table[cells[0]] = cells[1:]
+    assert {"accuracy", "wall time", "training time", "predicted", "replayed"} <= set(table)
+    assert {"batch share", "syncs", "anchor"} <= set(table)
+    # accuracy: every run beats the trivial ~30 % after one epoch
+    for cell in table["accuracy"]:
+        assert float(cell.split()[0]) > 40.0, table["accuracy"]
+    # lock-step: equal shards, one all-reduce per step (128,000 windows / 2 ranks / batch 128)
+    assert table["batch share"][1] == "r0 50% · r1 50%"
+    assert table["syncs"][1] == "500"
+    # flodl's column is what its records say
+    root_log = (out_dir / "records" / "root.log").read_text().splitlines()
+    records = [json.loads(line) for line in root_log]
+    epoch = [r["data"] for r in records if r["kind"] == "epoch"][-1]
+    contribution = [r["data"] for r in records if r["kind"] == "contribution"][-1]
+    assert table["syncs"][2] == str(epoch["syncs"])
+    assert table["anchor"][2] == str(epoch["anchor"])
+    train = float(table["training time"][2].split()[0])
+    assert train == round(epoch["t_s"], 1)
+    samples = [x["samples"] for x in contribution["ranks"]]
+    shares = [f"r{i} {100 * n / sum(samples):.0f}%" for i, n in enumerate(samples)]
+    assert table["batch share"][2] == " · ".join(shares)
+    assert samples[0] > samples[1]  # the fast rank did more of the work
+    # the speed-up is lock-step's training span over flodl's, as shown
+    lock = float(table["training time"][1].split()[0])
+    speed = re.search(r"\(([\d.]+)× lock-step's speed\)", table["training time"][2])
+    assert speed is not None and abs(float(speed[1]) - lock / train) <= 0.01 + 0.05 * lock / train
+    assert f"flodl trained {speed[1]}× as fast as lock-step DDP" in summary
+    for column in (1, 2):
+        assert re.fullmatch(r"[\d.]+ s( \(\d+ syncs\))?", table["predicted"][column]), table
+    assert re.fullmatch(r"[\d.]+ s \(from its records\)", table["replayed"][2]), table
     # the files the summary points at
     assert (out_dir / "records" / "root.log").stat().st_size > 0
     assert "<html" in (out_dir / "dashboard.html").read_text().lower()
     meta = json.loads((out_dir / "checkpoint.meta.json").read_text())
     assert isinstance(meta, dict)
     assert (out_dir / f"checkpoint.{meta['bundle_tag']}.fdl").stat().st_size > 0
-    for name in ("records", "dashboard.html", "checkpoint.meta.json"):
+    assert sorted(p.name for p in out_dir.iterdir() if p.name.startswith("lockstep")) == []
+    for name in ("records", "dashboard.html", "checkpoint.meta.json", "flodl sim --from-records"):
         assert name in summary
 
 

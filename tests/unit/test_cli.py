@@ -49,8 +49,11 @@ def test_sim_prints_every_requested_mode_next_to_solo(capsys: pytest.CaptureFixt
     assert rc == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line for line in out.splitlines()[2:]}
-    assert set(rows) == {"solo", "cpu_cadence", "nccl_sync"}
+    assert set(rows) == {"solo", "ddp_lockstep", "cpu_cadence", "nccl_sync"}
     assert "2 ranks, ms/batch [10.0, 30.0]" in out
+    # lock-step: 6400 / 2 ranks / batch 32 = 100 steps of the slow rank's 30 ms + 5 ms reduce
+    lockstep = rows["ddp_lockstep"].split()
+    assert lockstep[1] == "3.50" and lockstep[3] == "100"
 
 
 def test_sim_json_is_machine_readable(capsys: pytest.CaptureFixture[str]) -> None:
@@ -59,7 +62,8 @@ def test_sim_json_is_machine_readable(capsys: pytest.CaptureFixture[str]) -> Non
     rc = main(["sim", "--speeds", "1,1", "--dataset-len", "3200", "--modes", "cpu_async", "--json"])
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data) == {"solo", "cpu_async"}
+    assert set(data) == {"solo", "cpu_async", "ddp_lockstep"}
+    assert data["ddp_lockstep"] == {"wall_s": 50 * (10 + 5) / 1000, "syncs": 50}
     assert data["cpu_async"]["ok"] is True
     assert data["cpu_async"]["syncs"] > 0
 

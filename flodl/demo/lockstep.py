@@ -1,0 +1,261 @@
+"""Lock-step synchronous data parallelism on the demo task: the baseline ``flodl demo`` and the
+benchmarks measure flodl against.
+
+:func:`run_lockstep` trains with real ``torch.nn.parallel.DistributedDataParallel`` on Gloo,
+one spawned process per rank on this host: every rank gets an equal shard of each epoch
+(``torch.utils.data.DistributedSampler`` semantics, :func:`equal_split`), and every step
+all-reduces the gradients, so each step waits for the slowest rank. A rank is slowed by the
+same :class:`~flodl.demo.slowdown.Slowdown` the flodl ranks use, through :class:`TimedStep`,
+which also counts the rank's busy time the same way for every system (docs/design.md §9,
+"The demo").
+
+:class:`TimedStep` wraps the demo task's ``train_step`` (forward + loss): it applies the
+slowdown (:meth:`~flodl.demo.slowdown.Slowdown.forward`: sleep ``(factor − 1) ×
+step_per_forward ×`` the measured forward) and counts ``step_per_forward × forward + sleep``
+per step, the estimated compute of a whole step plus the slowdown, never a wait for another
+rank. A rank's counters live in a small fixed-size file rewritten in place after every step
+(``os.pwrite``): flodl's rank processes end with ``os._exit``, so nothing after their training
+loop is guaranteed to run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flodl.errors import FlodlError
+
+__all__ = [
+    "TimedStep",
+    "read_step_record",
+    "equal_split",
+    "batches",
+    "free_port",
+    "run_lockstep",
+]
+
+_RECORD_BYTES = 160
+
+
+class TimedStep:
+    """``train_step`` slowed by ``slowdown`` and timed; see the module docstring.
+
+    Args:
+        train_step: ``train_step(model, batch) -> loss`` (forward + loss only).
+        slowdown: a :class:`~flodl.demo.slowdown.Slowdown` (inactive on a rank not slowed).
+        step_per_forward: full-step cost in forwards (the same value the slowdown uses).
+        record_path: file that holds this rank's counters (rewritten after every step).
+    """
+
+    def __init__(
+        self,
+        train_step: Callable[[Any, Any], torch.Tensor],
+        slowdown: Any,
+        step_per_forward: float,
+        record_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.train_step = train_step
+        self.slowdown = slowdown
+        self.step_per_forward = step_per_forward
+        self.steps = 0
+        self.busy_s = 0.0
+        self.t_first: float | None = None
+        self.t_last = 0.0
+        self._fd: int | None = None
+        if record_path is not None:
+            self._fd = os.open(record_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def __call__(self, model: Any, batch: Any) -> torch.Tensor:
+        t0 = time.perf_counter()
+        slept0 = self.slowdown.slept_s
+        with self.slowdown.forward():
+            loss = self.train_step(model, batch)
+        t1 = time.perf_counter()
+        slept = self.slowdown.slept_s - slept0
+        forward = max(0.0, (t1 - t0) - slept)
+        self.busy_s += forward * self.step_per_forward + slept
+        self.steps += 1
+        if self.t_first is None:
+            self.t_first = t0
+        self.t_last = t1
+        if self._fd is not None:
+            os.pwrite(self._fd, self._record(), 0)
+        return loss
+
+    def _record(self) -> bytes:
+        return json.dumps(self.summary()).encode().ljust(_RECORD_BYTES)
+
+    def summary(self) -> dict[str, Any]:
+        """The counters as a dict (``t0``/``t1``: ``time.perf_counter`` seconds, system-wide)."""
+        return {"steps": self.steps, "busy_s": self.busy_s, "t0": self.t_first, "t1": self.t_last}
+
+
+def read_step_record(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """A rank's counters as :class:`TimedStep` last wrote them, or None if absent or empty."""
+    try:
+        raw = Path(path).read_bytes()[:_RECORD_BYTES].strip()
+    except OSError:
+        return None
+    if not raw:
+        return None
+    try:
+        data: dict[str, Any] = json.loads(raw)
+    except ValueError:
+        return None
+    return data
+
+
+def equal_split(n: int, world: int, rank: int, epoch: int, seed: int) -> list[int]:
+    """``torch.utils.data.DistributedSampler`` semantics (shuffle, pad to equal length by
+    wrapping around, then every ``world``-th index): this rank's indices for ``epoch``."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    per_rank = math.ceil(n / world)
+    perm += perm[: per_rank * world - n]
+    return perm[rank::world]
+
+
+def batches(indices: Sequence[int], batch_size: int) -> list[Sequence[int]]:
+    """``indices`` cut into consecutive batches (the last one may be short)."""
+    return [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _worker(rank: int, cfg: dict[str, Any], port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from flodl.demo.slowdown import Slowdown
+    from flodl.demo.task import demo_task
+
+    torch.set_num_threads(int(cfg["threads"]))
+    world = int(cfg["world"])
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        task = demo_task(samples=cfg["samples"], seed=cfg["seed"])
+        spf = float(cfg["step_per_forward"])
+        slowdown = Slowdown.for_rank(cfg["slow"], rank=rank, step_per_forward=spf)
+        timed = TimedStep(task.train_step, slowdown, spf, Path(out_dir) / f"rank{rank}.steps")
+        model = DistributedDataParallel(task.model_factory("cpu"))
+        optim = task.optim_factory(model.parameters())
+        dist.barrier()
+        t_start = time.perf_counter()
+        for epoch in range(cfg["epochs"]):
+            mine = equal_split(len(task.train), world, rank, epoch, cfg["seed"])
+            for idx in batches(mine, cfg["batch_size"]):
+                batch = task.train.get_batch(idx)
+                optim.zero_grad(set_to_none=True)
+                loss = timed(model, batch)
+                loss.backward()  # type: ignore[no-untyped-call]
+                optim.step()
+        dist.barrier()
+        t_end = time.perf_counter()
+        result: dict[str, Any] = {
+            "rank": rank,
+            **timed.summary(),
+            "t_start": t_start,
+            "t_end": t_end,
+        }
+        if rank == 0:
+            result["metric"] = task.eval_fn(model.module, task.held_out)
+        tmp = Path(out_dir) / f"rank{rank}.json.tmp"
+        tmp.write_text(json.dumps(result))
+        tmp.replace(Path(out_dir) / f"rank{rank}.json")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_lockstep(
+    *,
+    world: int,
+    samples: int,
+    seed: int,
+    epochs: int,
+    batch_size: int,
+    slow: Mapping[int, float],
+    step_per_forward: float,
+    threads: int,
+    out_dir: Path,
+    timeout_s: float = 600.0,
+) -> dict[str, Any]:
+    """Train the demo task with DDP on Gloo, ``world`` spawned processes on this host.
+
+    Args:
+        world: ranks (processes).
+        samples, seed: :func:`~flodl.demo.task.demo_task`'s (and the shuffle's) arguments.
+        epochs, batch_size: per rank, as in the flodl run.
+        slow: rank → slowdown factor.
+        step_per_forward: the slowdown's full-step cost in forwards.
+        threads: ``torch.set_num_threads`` of each rank.
+        out_dir: where the ranks write their counters and results.
+        timeout_s: the whole run's limit; every process is killed when it passes.
+
+    Returns:
+        ``ranks`` (per-rank counters: steps, busy_s, t_start, t_end), ``metric`` (rank 0's
+        held-out eval), ``total_s`` (spawn to the last process's exit), ``train_s`` (first
+        rank past the start barrier to the last past the end barrier) and ``syncs`` (gradient
+        all-reduces: one per step).
+
+    Raises:
+        FlodlError: a rank failed or the run passed ``timeout_s``.
+    """
+    import torch.multiprocessing as mp
+
+    cfg = {
+        "world": world,
+        "samples": samples,
+        "seed": seed,
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "slow": dict(slow),
+        "step_per_forward": step_per_forward,
+        "threads": max(1, threads),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    ctx = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
+        _worker,
+        args=(cfg, free_port(), str(out_dir)),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.perf_counter() + timeout_s
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.perf_counter())):
+            if time.perf_counter() >= deadline:
+                raise FlodlError(f"lock-step DDP did not finish within {timeout_s:.0f} s")
+    except mp.ProcessRaisedException as exc:  # type: ignore[attr-defined]
+        raise FlodlError(f"lock-step DDP failed: {str(exc).strip().splitlines()[-1]}") from None
+    except mp.ProcessExitedException as exc:  # type: ignore[attr-defined]
+        raise FlodlError(f"lock-step DDP failed: {exc}") from None
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    total_s = time.perf_counter() - t0
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+    return {
+        "ranks": ranks,
+        "metric": ranks[0]["metric"],
+        "total_s": total_s,
+        "train_s": max(r["t_end"] for r in ranks) - min(r["t_start"] for r in ranks),
+        "syncs": ranks[0]["steps"],
+    }
