@@ -24,7 +24,14 @@ def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
         return importlib.import_module(name)
 
     yield load
-    for name in ("bench_hetero", "bench_recovery", "_ddp", "_torchft", "benchmarks.__main__"):
+    for name in (
+        "bench_hetero",
+        "bench_recovery",
+        "bench_replay",
+        "_ddp",
+        "_torchft",
+        "benchmarks.__main__",
+    ):
         sys.modules.pop(name, None)
 
 
@@ -283,3 +290,42 @@ def test_suite_elastic_extractor(bench: Any) -> None:
     )
     assert rows[0]["met"] is True and "0.60 s" in rows[0]["value"] and "0.97" in rows[0]["value"]
     assert rows[1]["value"].startswith("n/a") and "not importable" in rows[1]["note"]
+
+
+def test_replay_summary_verdicts_and_suite_extractor(bench: Any) -> None:
+    r = bench("bench_replay")
+    m = bench("benchmarks.__main__")
+    args = r.parse_args(["--quick"])
+    assert args.rig_list == ["2r"] and args.samples == 24_000 and args.rounds == 1
+
+    def run(mode: str, err: float | None, ok: bool = True) -> dict[str, Any]:
+        row: dict[str, Any] = {"mode": mode, "rig": "2r", "round": 0, "ok": ok}
+        if ok:
+            row |= {"time_error": err, "share_error_pp": 1.0}
+        return row
+
+    runs = [
+        run("cpu_cadence", 0.05),
+        run("cpu_cadence", -0.12),
+        run("cpu_async", 0.20),
+        run("cpu_sync", 0.01),
+        run("cpu_sync", None, ok=False),
+    ]
+    summary = r.summarize(runs, ["cpu_cadence", "cpu_async", "cpu_sync", "nccl_sync"])
+    verdicts = {row["mode"]: row["met"] for row in summary["modes"]}
+    # within on every run; one run over 15 %; a failed run leaves it open; no run at all
+    assert verdicts == {
+        "cpu_cadence": True,
+        "cpu_async": False,
+        "cpu_sync": None,
+        "nccl_sync": None,
+    }
+    cadence = summary["modes"][0]
+    assert cadence["worst_time_error"] == -0.12 and cadence["ok"] == 2
+    assert summary["met"] is False and summary["max_abs_time_error"] == 0.20
+    rows = m._replay({"target_time_error": 0.15, "summary": summary})
+    assert [row["met"] for row in rows] == [True, False, None, None]
+    assert rows[0]["value"] == "-12.0 % (2/2 runs)" and rows[3]["value"] == "n/a"
+    assert "bench_replay" in m.SPECS
+    with pytest.raises(KeyError):
+        m._replay({"target_time_error": 0.15, "summary": {"modes": []}})
