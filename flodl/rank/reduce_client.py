@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import socket
 import time
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from typing import Self
 import torch
 
 from flodl.errors import CoordinatorLost, FrameError, LocalProtocolError
+from flodl.rank.reduce_shm import LocalLane, lane_problem
 from flodl.wire.data_hello import (
     DATA_HANDSHAKE_TIMEOUT_S,
     HELLO_BYTES,
@@ -40,9 +42,16 @@ from flodl.wire.data_hello import (
     data_keys,
     encode_data_hello,
 )
-from flodl.wire.tensor_read import FramePrefix, read_frame_payloads, read_frame_prefix
+from flodl.wire.shm import ANSWER_BYTES, encode_offer, parse_answer
+from flodl.wire.tensor_read import (
+    FramePrefix,
+    read_frame_payloads,
+    read_frame_prefix,
+    read_frame_tag,
+)
 from flodl.wire.tensors import (
     CONSENSUS_SENDER,
+    FLAG_SHM,
     INLINE_TAG_BYTES,
     TensorKind,
     encode_frame_parts,
@@ -60,6 +69,8 @@ CONNECT_RETRY_S = 0.5
 """Pause between connection attempts (the original's 60 attempts x 500 ms)."""
 HANDSHAKE_TIMEOUT_S = DATA_HANDSHAKE_TIMEOUT_S
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+_STAGE_ELEMENTS = 1 << 18
+"""Elements per chunk of a scaled f32 -> bf16 copy (1 MiB of f32: stays in cache)."""
 
 
 class ReduceClient:
@@ -76,6 +87,10 @@ class ReduceClient:
         bf16_wire: send (and receive) f32 tensors as bfloat16 after round 0.
         timeout_s: deadline of each read and send on the connection, seconds; it bounds the
             wait for a round's consensus too, so it must exceed the slowest rank's window.
+        shared_memory: offer the server a shared-memory segment before the first round
+            (:mod:`flodl.rank.reduce_shm`): on the server's host the parameters then move
+            through memory instead of loopback TCP; elsewhere the server declines and the
+            rank keeps TCP.
 
     Thread: the rank's main thread (not thread-safe).
     """
@@ -91,6 +106,7 @@ class ReduceClient:
         run_id: str,
         bf16_wire: bool = False,
         timeout_s: float = 120.0,
+        shared_memory: bool = True,
     ) -> None:
         if not 0 <= rank < world_size:
             raise LocalProtocolError(f"rank {rank} is not in a world of {world_size}")
@@ -117,6 +133,10 @@ class ReduceClient:
         self._received: dict[TensorKind, list[torch.Tensor]] = {}
         self._tables: dict[TensorKind, int] = {}
         self._staging = torch.empty(0, dtype=torch.uint8)
+        self._stage = torch.empty(0)
+        self.shared_memory = shared_memory
+        self._lane: LocalLane | None = None
+        self._lane_tried = False
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self, timeout_s: float = 30.0) -> None:
@@ -184,6 +204,9 @@ class ReduceClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._lane is not None:
+            self._lane.close()
+            self._lane = None
         if self._tagger is not None:
             self._tagger.shutdown(wait=True)
             self._tagger = None
@@ -233,15 +256,23 @@ class ReduceClient:
             raise LocalProtocolError(f"weight must be finite and >= 0, got {weight}")
         self._check_layout(params, buffers)
         bf16 = self.bf16_wire and cycle != 0
-        with torch.no_grad():
-            frames = [
-                self._frame(TensorKind.MODEL_PARAMS, params, weight, cycle, bf16),
-                self._frame(TensorKind.MODEL_BUFFERS, buffers, float(mover), cycle, bf16),
-            ]
         try:
+            if not self._lane_tried:
+                self._negotiate(sock, params, buffers)
+            with torch.no_grad():
+                frames = [
+                    self._frame(TensorKind.MODEL_PARAMS, params, weight, cycle, bf16),
+                    self._frame(TensorKind.MODEL_BUFFERS, buffers, float(mover), cycle, bf16),
+                ]
             self._upload(sock, tagger, frames)
-            total, received = self._download(TensorKind.MODEL_PARAMS, cycle)
-            movers, received_buffers = self._download(TensorKind.MODEL_BUFFERS, cycle)
+            total, received, slot = self._download(TensorKind.MODEL_PARAMS, cycle)
+            movers, received_buffers, buffer_slot = self._download(TensorKind.MODEL_BUFFERS, cycle)
+            with torch.no_grad():
+                if total > 0:
+                    self._apply(TensorKind.MODEL_PARAMS, params, received, slot, cycle, bf16)
+                if movers > 0:
+                    kind = TensorKind.MODEL_BUFFERS
+                    self._apply(kind, buffers, received_buffers, buffer_slot, cycle, bf16)
         except OSError as exc:  # includes TimeoutError
             what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc}"
             lost = CoordinatorLost(f"rank {self.rank}: reduce round {cycle} {what}")
@@ -250,14 +281,80 @@ class ReduceClient:
         except Exception as exc:  # CoordinatorLost (EOF), FrameError
             self._break(sock, str(exc))
             raise
-        with torch.no_grad():
-            if total > 0:
-                for dst, src in zip(params, received, strict=True):
-                    dst.copy_(src)
-            if movers > 0:
-                for dst, src in zip(buffers, received_buffers, strict=True):
-                    dst.copy_(src)
         return total, movers
+
+    def _apply(
+        self,
+        kind: TensorKind,
+        dst: Sequence[torch.Tensor],
+        src: Sequence[torch.Tensor],
+        slot: int | None,
+        cycle: int,
+        bf16: bool,
+    ) -> None:
+        """Copy the consensus into the caller's tensors; from a shared slot, between two checks
+        that the slot still holds this round."""
+        if slot is None:
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s)
+            return
+        assert self._lane is not None
+        self._lane.check_stamp(slot, cycle)
+        self._lane.apply(kind, dst, src, bf16)
+        self._lane.check_stamp(slot, cycle)
+
+    @property
+    def in_shared_memory(self) -> bool:
+        """Whether the server accepted this rank's shared-memory offer."""
+        return self._lane is not None
+
+    def _negotiate(
+        self, sock: socket.socket, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]
+    ) -> None:
+        """Offer a shared-memory segment once, before the first upload; keep TCP when the
+        tensors, the platform or the server say no."""
+        self._lane_tried = True
+        if not self.shared_memory:
+            return
+        why = lane_problem(params, buffers)
+        if why is not None:
+            logger.info("rank %d uploads over TCP: %s", self.rank, why)
+            return
+        try:
+            lane = LocalLane(params, buffers)
+        except OSError as exc:
+            logger.info("rank %d uploads over TCP: no shared memory (%s)", self.rank, exc)
+            return
+        assert self._keys is not None
+        try:
+            up = lane.upload
+            offer = encode_offer(self._keys.upload, os.getpid(), up.fd, up.size, up.probe)
+            sock.sendall(offer)
+            data = bytearray(ANSWER_BYTES)
+            view = memoryview(data)
+            got = 0
+            while got < ANSWER_BYTES:
+                got += self._recv_into(view[got:])
+            answer = parse_answer(self._keys.upload, offer, data)
+            if not answer.accepted:
+                logger.info("rank %d uploads over TCP: shared memory declined", self.rank)
+                lane.close()
+                return
+            lane.accept(answer)
+        except OSError as exc:
+            if isinstance(exc, (TimeoutError, ConnectionError)):
+                lane.close()
+                raise
+            # the server's segment could not be mapped: uploads stay on TCP, and the server
+            # answers a TCP upload over TCP
+            logger.info("rank %d uploads over TCP: %s", self.rank, exc)
+            lane.close()
+            return
+        except BaseException:
+            lane.close()
+            raise
+        self._lane = lane
+        logger.info("rank %d averages through shared memory", self.rank)
 
     def _break(self, sock: socket.socket, reason: str) -> None:
         """The stream is out of step with the server: later calls raise CoordinatorLost."""
@@ -272,7 +369,24 @@ class ReduceClient:
         cycle: int,
         bf16: bool,
     ) -> tuple[bytes, list[memoryview]]:
-        """Head and payloads of the upload of ``tensors`` scaled by ``weight``."""
+        """Head and payloads of the upload of ``tensors`` scaled by ``weight`` (no payloads on
+        the stream when they go into the shared segment)."""
+        if self._lane is not None and weight > 0:
+            # f32 even with bf16 wire: in memory, narrowing costs a pass and saves nothing; the
+            # consensus is still rounded through bf16 on receipt (LocalLane.apply)
+            views = self._lane.upload_views(kind, False)
+            for t, v in zip(tensors, views, strict=True):
+                t = t.detach()
+                if weight == 1.0 or t.device.type != "cpu":
+                    v.copy_(t)
+                    if weight != 1.0:
+                        v.mul_(weight)
+                else:
+                    self._scale_into(v, t, weight)
+            head, _ = encode_frame_parts(
+                views, kind=kind, weight=weight, round=cycle, elide_zeros=False, flags=FLAG_SHM
+            )
+            return head, []
         sent = self._outgoing(kind, tensors, weight, bf16)
         return encode_frame_parts(sent, kind=kind, weight=weight, round=cycle, all_zero=weight == 0)
 
@@ -321,13 +435,31 @@ class ReduceClient:
             if scratch is None or scratch.dtype != wire:
                 scratch = self._scratch[key] = torch.empty(t.shape, dtype=wire)
             if t.device.type == "cpu":
-                torch.mul(t, weight, out=scratch)
+                self._scale_into(scratch, t, weight)
             else:
                 scratch.copy_(t)
                 if weight != 1.0:
                     scratch.mul_(weight)
             out.append(scratch)
         return out
+
+    def _scale_into(self, dst: torch.Tensor, src: torch.Tensor, weight: float) -> None:
+        """``dst = src * weight``, rounded once into ``dst``'s dtype. Into bf16 from f32 the
+        product goes through a small f32 stage chunk by chunk: ``torch.mul(out=bf16)`` of an
+        f32 tensor is about 20 times slower than the two passes."""
+        if dst.dtype == src.dtype or not src.is_contiguous():
+            torch.mul(src, weight, out=dst)
+            return
+        flat_src, flat_dst = src.view(-1), dst.view(-1)
+        n = flat_src.numel()
+        stage = self._stage
+        if stage.dtype != src.dtype or stage.numel() < min(n, _STAGE_ELEMENTS):
+            stage = self._stage = torch.empty(min(n, _STAGE_ELEMENTS), dtype=src.dtype)
+        for start in range(0, n, _STAGE_ELEMENTS):
+            end = min(n, start + _STAGE_ELEMENTS)
+            part = stage[: end - start]
+            torch.mul(flat_src[start:end], weight, out=part)
+            flat_dst[start:end].copy_(part)
 
     def _upload(
         self,
@@ -362,8 +494,11 @@ class ReduceClient:
             raise CoordinatorLost(f"rank {self.rank}: the reduce server closed the connection")
         return n
 
-    def _download(self, kind: TensorKind, cycle: int) -> tuple[float, list[torch.Tensor]]:
-        """Receive one consensus frame into the preallocated tensors; return its weight."""
+    def _download(
+        self, kind: TensorKind, cycle: int
+    ) -> tuple[float, list[torch.Tensor], int | None]:
+        """Receive one consensus frame into the preallocated tensors; return its weight, the
+        tensors, and the shared slot they are in (``None``: received from the stream)."""
         assert self._keys is not None
         prefix = read_frame_prefix(
             self._recv_into,
@@ -381,11 +516,17 @@ class ReduceClient:
         if shapes != self._shapes[kind]:
             raise FrameError(f"consensus {kind.name} shapes {shapes} are not the model's")
         self._tables[kind] = prefix.layout.table_nbytes
+        if header.flags & FLAG_SHM:
+            if self._lane is None:
+                raise FrameError("a shared-memory consensus on a connection without a segment")
+            slot, views = self._lane.consensus_views(kind, prefix)
+            read_frame_tag(self._recv_into, prefix)
+            return header.weight, views, slot
         out = self._receive_tensors(kind, prefix)
         read_frame_payloads(
             self._recv_into, prefix, out, scratch=self._staging, zero_elided=header.weight > 0
         )
-        return header.weight, out
+        return header.weight, out, None
 
     def _receive_tensors(self, kind: TensorKind, prefix: FramePrefix) -> list[torch.Tensor]:
         """Preallocated destinations in the frame's wire dtypes (reallocated if they change)."""

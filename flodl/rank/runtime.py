@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -299,6 +300,9 @@ class RankLoop:
                 run_id=spec.run_id,
                 bf16_wire=self.el.bf16_wire,
                 timeout_s=self.timeouts.data_io_s,
+                # on the coordinator's host the rounds go through shared memory (design §1);
+                # FLODL_SHARED_MEMORY=0 keeps every rank on TCP
+                shared_memory=os.environ.get("FLODL_SHARED_MEMORY", "1") != "0",
             )
             self.client.connect(spec.timeouts.connect_s)
         else:

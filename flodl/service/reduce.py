@@ -77,6 +77,7 @@ from flodl.errors import FrameError, LocalProtocolError
 from flodl.outer import OuterConfig, OuterStep
 from flodl.service.reduce_buffers import Consensus, Flat, Model, Outgoing, Round, Upload
 from flodl.service.reduce_conn import Conn, PeerClosed, Reader, Refused
+from flodl.service.reduce_shm import ShmLane
 from flodl.service.refusals import Refusals
 from flodl.wire.data_hello import (
     DATA_HANDSHAKE_TIMEOUT_S,
@@ -87,10 +88,12 @@ from flodl.wire.data_hello import (
     new_nonce,
     parse_data_hello,
 )
-from flodl.wire.tensor_read import read_frame_payloads, read_frame_prefix
+from flodl.wire.shm import OFFER_BYTES, OFFER_MAGIC, parse_offer
+from flodl.wire.tensor_read import read_frame_payloads, read_frame_prefix, read_frame_tag
 from flodl.wire.tensors import (
     CONSENSUS_SENDER,
     DEFAULT_MAX_FRAME_BYTES,
+    FLAG_SHM,
     INLINE_TAG_BYTES,
     FrameHeader,
     TensorKind,
@@ -133,6 +136,8 @@ class ReduceServer:
         outer / outer_state: the outer optimizer applied to each folded consensus (CPU
             placement) and the momentum to restore.
         broadcast_round: see :attr:`broadcast_round`.
+        shared_memory: accept the shared-memory offers of ranks on this host
+            (:mod:`flodl.service.reduce_shm`); ``False`` keeps every rank on TCP.
 
     Thread safety: :meth:`open_round`, :meth:`rank_dead` and :meth:`close` may be called from
     any thread (the coordinator calls them from its event loop); they never block on I/O.
@@ -152,6 +157,7 @@ class ReduceServer:
         outer: OuterConfig | None = None,
         outer_state: dict[str, list[torch.Tensor]] | None = None,
         broadcast_round: int | None = None,
+        shared_memory: bool = True,
     ) -> None:
         if world_size < 1:
             raise LocalProtocolError(f"world_size must be >= 1, got {world_size}")
@@ -192,7 +198,9 @@ class ReduceServer:
         self._models: dict[TensorKind, Model] = {}
         self._inflight: Consensus | None = None
         # Owned by the worker thread.
-        self._acc: dict[TensorKind, Flat] = {}
+        self._acc: dict[TensorKind, Flat] = {}  # the last fold's, private or a shared slot
+        self._own: dict[TensorKind, Flat] = {}
+        self._widen: dict[torch.dtype, torch.Tensor] = {}
         self._mirror: dict[TensorKind, tuple[Flat, int]] = {}  # and the fold it mirrors
         self._folds = 0
         # The outer optimizer (CPU placement): applied by the worker to each folded consensus;
@@ -203,6 +211,8 @@ class ReduceServer:
         self.refusals = Refusals(logger)
         """Every refused or cut data connection, counted by reason (logged within a budget)."""
         self._refusals_lock = threading.Lock()
+        self._lane = ShmLane(enabled=shared_memory)
+        """The shared-memory lane: offers, uploads read in place, the consensus slots."""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> int:
@@ -257,6 +267,11 @@ class ReduceServer:
             if sock is not None:
                 sock.close()
         self._listen = self._wake_r = self._wake_w = None
+        self._acc.clear()
+        self._own.clear()
+        self._widen.clear()
+        self._mirror.clear()
+        self._lane.close()
 
     def __enter__(self) -> Self:
         return self
@@ -417,6 +432,10 @@ class ReduceServer:
             self._handshake(conn)
             reader = Reader(conn.sock, self.read_timeout_s)
             while True:
+                reader.wait_for_frame()
+                if reader.peek(4) == OFFER_MAGIC.to_bytes(4, "big"):
+                    self._answer_offer(conn, reader)
+                    continue
                 cycle, upload = self._receive_upload(conn, reader)
                 rnd = self._register(conn, cycle, upload)
                 if not self._send_consensus(conn, rnd):
@@ -444,7 +463,10 @@ class ReduceServer:
                     del self._by_rank[conn.rank]
                 if conn.rank is not None and self._inflight is not None:
                     self._inflight.sending.discard(conn.rank)
+                shm, conn.shm = conn.shm, None
                 self._cond.notify_all()
+            if shm is not None:
+                shm.close()  # (the round that read it in place is done or failed)
 
     def _consensus_tag(self, out: Outgoing) -> bytes:
         return frame_tag(self._consensus_key, out.head, out.payloads, sender=CONSENSUS_SENDER)
@@ -493,23 +515,43 @@ class ReduceServer:
         sock.sendall(ack)
         logger.info("rank %d connected to the reduce server from %s", rank, conn.peer)
 
+    def _answer_offer(self, conn: Conn, reader: Reader) -> None:
+        """A rank offers its upload segment: map it and answer (accepted or declined)."""
+        assert conn.rank is not None
+        if conn.shm is not None:
+            raise Refused("a second shared-memory offer on one connection")
+        data = bytearray(OFFER_BYTES)
+        view = memoryview(data)
+        got = 0
+        while got < OFFER_BYTES:
+            n = reader(view[got:])
+            if n == 0:
+                raise Refused(f"closed after {got} of {OFFER_BYTES} offer bytes")
+            got += n
+        offer = parse_offer(conn.upload_key, data)
+        answer, upload = self._lane.answer(conn.upload_key, offer, conn.rank)
+        with self._cond:
+            conn.shm = upload
+        conn.sock.settimeout(self.read_timeout_s)
+        conn.sock.sendall(answer)
+
     def _receive_upload(self, conn: Conn, reader: Reader) -> tuple[int, Upload]:
         assert conn.rank is not None
-        reader.wait_for_frame()
-        params_header, conn.params, param_wire = self._receive_frame(
-            conn, reader, TensorKind.MODEL_PARAMS, conn.params, None
+        params_header, params, param_wire = self._receive_frame(
+            conn, reader, TensorKind.MODEL_PARAMS, None
         )
         cycle = params_header.round
-        buffers_header, conn.buffers, buffer_wire = self._receive_frame(
-            conn, reader, TensorKind.MODEL_BUFFERS, conn.buffers, cycle
+        buffers_header, buffers, buffer_wire = self._receive_frame(
+            conn, reader, TensorKind.MODEL_BUFFERS, cycle
         )
         return cycle, Upload(
             weight=params_header.weight,
             mover=buffers_header.weight == 1.0,
-            params=conn.params,
-            buffers=conn.buffers,
+            params=params,
+            buffers=buffers,
             param_wire=param_wire,
             buffer_wire=buffer_wire,
+            shm=bool(params_header.flags & FLAG_SHM),
         )
 
     def _receive_frame(
@@ -517,9 +559,10 @@ class ReduceServer:
         conn: Conn,
         reader: Reader,
         kind: TensorKind,
-        flat: Flat | None,
         cycle: int | None,
     ) -> tuple[FrameHeader, Flat, tuple[WireDtype, ...]]:
+        """Receive one upload frame: its payloads into the connection's own buffers, or, a
+        shared-memory frame, as views of the rank's segment."""
         assert conn.rank is not None
         with self._cond:
             model = self._models.get(kind)
@@ -543,12 +586,26 @@ class ReduceServer:
         if kind is TensorKind.MODEL_BUFFERS and header.weight not in (0.0, 1.0):
             raise FrameError(f"BUFFERS weight {header.weight} is not 0 or 1 (mover flag)")
         model = self._model(kind, prefix.layout)
-        if flat is None:
-            flat = Flat.allocate(model)
+        wire = tuple(spec.dtype for spec in prefix.layout.specs)
+        if header.flags & FLAG_SHM:
+            if conn.shm is None:
+                raise FrameError("a shared-memory frame on a connection without a segment")
+            with self._cond:
+                models = dict(self._models)
+            flat = self._lane.upload_flat(conn.shm, kind, models, prefix)
+            read_frame_tag(reader, prefix)
+            return header, flat, wire
+        own = conn.params if kind is TensorKind.MODEL_PARAMS else conn.buffers
+        if own is None:
+            own = Flat.allocate(model)
+            if kind is TensorKind.MODEL_PARAMS:
+                conn.params = own
+            else:
+                conn.buffers = own
         read_frame_payloads(
-            reader, prefix, flat.views, scratch=conn.scratch, zero_elided=header.weight > 0
+            reader, prefix, own.views, scratch=conn.scratch, zero_elided=header.weight > 0
         )
-        return header, flat, tuple(spec.dtype for spec in prefix.layout.specs)
+        return header, own, wire
 
     def _register(self, conn: Conn, cycle: int, upload: Upload) -> Round:
         assert conn.rank is not None
@@ -635,22 +692,38 @@ class ReduceServer:
             weighted = [u.params for u in folded if u.weight > 0]
             divisors = (weight_total, float(len(movers)))
             self._folds += 1
+            with self._cond:
+                models = dict(self._models)
+            # ranks on this host read the consensus in place: fold into a shared slot
+            slot = self._lane.slot(models) if any(u.shm for u in uploads) else None
+            into = {} if slot is None else slot[1]
             with torch.no_grad():
-                self._fold(kinds[0], weighted, weight_total)
-                self._fold(kinds[1], [u.buffers for u in movers], divisors[1])
+                self._fold(kinds[0], weighted, weight_total, into.get(kinds[0]))
+                self._fold(kinds[1], [u.buffers for u in movers], divisors[1], into.get(kinds[1]))
                 if weight_total > 0 and self._outer is not None:
                     self._apply_outer(list(self._acc[kinds[0]].flats.values()))
-            variants: dict[tuple[tuple[WireDtype, ...], ...], tuple[Outgoing, Outgoing]] = {}
+            if slot is not None:
+                self._lane.stamp(slot[0], rnd.cycle)
+            variants: dict[tuple[object, ...], Outgoing] = {}
             for rank, upload in zip(contributors, uploads, strict=True):
-                key = (upload.param_wire, upload.buffer_wire)
-                if key not in variants:
-                    pair = tuple(
-                        self._outgoing(kind, rnd.cycle, divisor, wire)
-                        for kind, divisor, wire in zip(kinds, divisors, key, strict=True)
-                    )
-                    variants[key] = (pair[0], pair[1])
-                    outgoing.extend(pair)
-                frames[rank] = variants[key]
+                pair = []
+                wires = (upload.param_wire, upload.buffer_wire)
+                for kind, divisor, wire in zip(kinds, divisors, wires, strict=True):
+                    in_place = slot is not None and upload.shm and divisor > 0
+                    key: tuple[object, ...] = (kind, "shm") if in_place else (kind, wire)
+                    out = variants.get(key)
+                    if out is None:
+                        if slot is not None and in_place:
+                            head = self._lane.consensus_head(
+                                kind, self._acc[kind], rnd.cycle, divisor, slot[0]
+                            )
+                            out = Outgoing(head, [])
+                        else:
+                            out = self._outgoing(kind, rnd.cycle, divisor, wire)
+                        variants[key] = out
+                        outgoing.append(out)
+                    pair.append(out)
+                frames[rank] = (pair[0], pair[1])
         for out in outgoing:
             if sum(p.nbytes for p in out.payloads) < INLINE_TAG_BYTES:
                 out.tag = self._consensus_tag(out)
@@ -703,25 +776,38 @@ class ReduceServer:
         with self._outer_lock:
             return self._outer.state()
 
-    def _fold(self, kind: TensorKind, parts: list[Flat], divisor: float) -> None:
-        """acc[kind] = sum(parts) / divisor, one flat tensor per dtype, parts in rank order."""
+    def _fold(
+        self, kind: TensorKind, parts: list[Flat], divisor: float, into: Flat | None = None
+    ) -> None:
+        """acc[kind] = sum(parts) / divisor, one flat tensor per dtype, parts in rank order;
+        into ``into`` (a shared consensus slot) when given, else private memory.
+
+        Parts read in place from a shared segment may hold bf16 for an f32 accumulator: they
+        are widened first, so the sum is the same f32 arithmetic as for a TCP upload (whose
+        bf16 payload was widened on receipt)."""
         if not parts:
             return  # nothing received: the frame goes out elided with weight 0
-        acc = self._acc.get(kind)
+        acc = into if into is not None else self._own.get(kind)
         if acc is None:
             with self._cond:
                 model = self._models[kind]
-            acc = self._acc[kind] = Flat.allocate(model)
+            acc = self._own[kind] = Flat.allocate(model)
+        self._acc[kind] = acc
         for dtype, out in acc.flats.items():
             srcs = [p.flats[dtype] for p in parts]
-            if len(srcs) == 1:
-                if divisor == 1.0:
-                    out.copy_(srcs[0])
-                else:
-                    torch.div(srcs[0], divisor, out=out)
-                continue
-            torch.add(srcs[0], srcs[1], out=out)
-            for src in srcs[2:]:
+            if len(srcs) == 1 or srcs[0].dtype != dtype or srcs[1].dtype != dtype:
+                out.copy_(srcs[0])
+                rest = srcs[1:]
+            else:
+                torch.add(srcs[0], srcs[1], out=out)
+                rest = srcs[2:]
+            for src in rest:
+                if src.dtype != dtype:  # widened into a kept buffer (add_ would allocate one)
+                    wide = self._widen.get(dtype)
+                    if wide is None or wide.numel() != out.numel():
+                        wide = self._widen[dtype] = torch.empty_like(out)
+                    wide.copy_(src)
+                    src = wide
                 out.add_(src)
             if divisor != 1.0:
                 out.div_(divisor)
@@ -756,7 +842,9 @@ class ReduceServer:
     def _mirror_of(self, kind: TensorKind, model: Model, acc: Flat) -> Flat:
         """The bf16 copy of this round's accumulator of ``kind`` (filled once per round)."""
         mirror, filled = self._mirror.get(kind, (None, -1))
-        if mirror is None:
+        if mirror is None or any(
+            mirror.flats[d] is not t for d, t in acc.flats.items() if d != torch.float32
+        ):  # (its other tensors are the accumulator's, which alternates with shared slots)
             mirror = Flat.bf16_mirror(model, acc)
         if filled != self._folds:
             if torch.float32 in acc.flats:

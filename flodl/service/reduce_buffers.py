@@ -81,6 +81,12 @@ class Flat:
         return cls(flats, _views(model, flats))
 
     @classmethod
+    def on(cls, model: Model, flats: dict[torch.dtype, torch.Tensor]) -> Flat:
+        """Storage given per accumulation dtype (e.g. regions of a shared segment; a region of
+        f32 tensors may hold bf16 elements), viewed as ``model``'s tensors."""
+        return cls(flats, _views(model, flats))
+
+    @classmethod
     def bf16_mirror(cls, model: Model, acc: Flat) -> Flat:
         """bf16 storage for the f32 tensors of ``acc``; its other tensors are shared."""
         flats = dict(acc.flats)
@@ -109,6 +115,8 @@ class Upload:
     buffers: Flat
     param_wire: tuple[WireDtype, ...]
     buffer_wire: tuple[WireDtype, ...]
+    shm: bool = False
+    """The rank reads the consensus in place (its shared-memory offer was accepted)."""
 
 
 @dataclass(eq=False, slots=True)

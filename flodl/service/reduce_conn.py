@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flodl.service.reduce_buffers import Flat
+from flodl.service.reduce_shm import UploadSegment
 
 __all__ = ["Refused", "PeerClosed", "Conn", "Reader"]
 
@@ -36,6 +37,8 @@ class Conn:
     params: Flat | None = None
     buffers: Flat | None = None
     scratch: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    shm: UploadSegment | None = None
+    """The rank's upload segment once its shared-memory offer was accepted."""
 
 
 class Reader:
@@ -51,6 +54,21 @@ class Reader:
     def wait_for_frame(self) -> None:
         self._idle = True
         self._sock.settimeout(None)
+
+    def peek(self, n: int) -> bytes:
+        """The next ``n`` bytes, left unread (waits, without a deadline, for the next message;
+        fewer at EOF).
+
+        Raises:
+            PeerClosed: the peer closed the connection before any byte.
+        """
+        try:
+            data = self._sock.recv(n, socket.MSG_PEEK | socket.MSG_WAITALL)
+        except ConnectionResetError:
+            raise PeerClosed from None
+        if not data:
+            raise PeerClosed
+        return data
 
     def __call__(self, view: memoryview) -> int:
         if not self._idle:

@@ -67,9 +67,10 @@ HELLO_MAGIC = 0xF10D17C0
 """First four bytes of a data channel hello (the original's handshake magic)."""
 ACK_MAGIC = 0xF10D17C1
 """First four bytes of the server's answer to a hello."""
-DATA_PROTOCOL_VERSION = 2
+DATA_PROTOCOL_VERSION = 3
 """Version of the data channel (handshake, keys and round protocol); a hello with another is
-refused. Version 1 keyed frames with the secret alone (no run id, no connection nonces)."""
+refused. Version 1 keyed frames with the secret alone (no run id, no connection nonces);
+version 2 had no shared-memory lane (:mod:`flodl.wire.shm`)."""
 NONCE_BYTES = 16
 FINGERPRINT_BYTES = 8
 _FIELDS = struct.Struct(f"!IBII{FINGERPRINT_BYTES}s{NONCE_BYTES}s")

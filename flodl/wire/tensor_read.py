@@ -30,8 +30,10 @@ from cryptography.hazmat.primitives.poly1305 import Poly1305
 from flodl.errors import FrameError, LocalProtocolError
 from flodl.wire.tensors import (
     ENTRY_PREFIX,
+    FLAG_SHM,
     HEADER_BYTES,
     HEADER_STRUCT,
+    KNOWN_FLAGS,
     MAGIC,
     MAX_NDIM,
     MAX_TENSORS,
@@ -56,6 +58,7 @@ __all__ = [
     "FramePrefix",
     "read_frame_prefix",
     "read_frame_payloads",
+    "read_frame_tag",
     "decode_tensor_frame",
 ]
 
@@ -76,8 +79,8 @@ def parse_header(prefix: bytes | bytearray | memoryview) -> FrameHeader:
         The header.
 
     Raises:
-        FrameError: short prefix, bad magic, unsupported version, unknown kind, nonzero flags or
-            reserved byte, weight NaN, infinite or negative, more than 65 536 tensors.
+        FrameError: short prefix, bad magic, unsupported version, unknown kind, unknown flags,
+            a nonzero reserved byte, weight NaN, infinite or negative, more than 65 536 tensors.
     """
     if len(prefix) < HEADER_BYTES:
         raise FrameError(f"truncated tensor frame header: {len(prefix)} of {HEADER_BYTES} bytes")
@@ -96,7 +99,7 @@ def parse_header(prefix: bytes | bytearray | memoryview) -> FrameHeader:
         kind = TensorKind(kind)
     except ValueError:
         raise FrameError(f"unknown tensor frame kind {kind}") from None
-    if flags:
+    if flags not in KNOWN_FLAGS:
         raise FrameError(f"unknown tensor frame flags 0x{flags:02x}")
     if reserved:
         raise FrameError(f"reserved header byte is {reserved}, must be 0")
@@ -172,6 +175,8 @@ def read_tensor_frame(
     head = memoryview(bytearray(HEADER_BYTES))
     _recv_exactly(recv_into, head, None, "header")
     header = parse_header(head)
+    if header.flags & FLAG_SHM:
+        raise FrameError("a shared-memory frame where a frame with its payloads was expected")
     if header.num_tensors != len(out):
         raise FrameError(
             f"tensor count mismatch: frame has {header.num_tensors}, out has {len(out)}"
@@ -371,6 +376,8 @@ def read_frame_payloads(
             written), EOF, or a bad tag.
         LocalProtocolError: ``scratch`` is not a contiguous uint8 CPU tensor.
     """
+    if prefix.header.flags & FLAG_SHM:
+        raise FrameError("a shared-memory frame carries no payloads on the stream")
     if scratch is not None:
         _check_scratch(scratch)
     layout = prefix.layout
@@ -388,6 +395,23 @@ def read_frame_payloads(
                 f"tensor {index}: dtype mismatch: frame {spec.dtype.name}, out {dst.dtype}"
             )
     _read_payloads(recv_into, layout, out, prefix.mac, scratch, zero_elided=zero_elided)
+
+
+def read_frame_tag(recv_into: Callable[[memoryview], int], prefix: FramePrefix) -> None:
+    """Receive and check the tag of the shared-memory frame ``prefix`` began (its payloads are
+    in the connection's segment: :mod:`flodl.wire.shm`; the tag covers header and table).
+
+    Raises:
+        FrameError: the frame is not a shared-memory one, EOF, or a bad tag.
+    """
+    if not prefix.header.flags & FLAG_SHM:
+        raise FrameError("a frame without the shared-memory flag carries its payloads")
+    tag = memoryview(bytearray(TAG_BYTES))
+    _recv_exactly(recv_into, tag, None, "auth tag")
+    if not hmac.compare_digest(prefix.mac.finalize(), tag):
+        raise FrameError(
+            "bad tensor frame auth tag (not keyed to this run, server and connection, or corrupted)"
+        )
 
 
 def _check_scratch(scratch: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ data channel's handshake.
 Layout (one frame; every header and table field in network byte order)::
 
     fixed header, HEADER_BYTES = 28
-      magic u32 = 0xF10D17F1 | version u8 = 2 | kind u8 (TensorKind) | flags u8 = 0
+      magic u32 = 0xF10D17F1 | version u8 = 2 | kind u8 (TensorKind) | flags u8 (KNOWN_FLAGS)
       | reserved u8 = 0 | weight f64 (finite, >= 0) | round u64 | num_tensors u32 (<= 65 536)
     tensor table, num_tensors entries, 10 + 4 * ndim bytes each
       dtype u8 (WireDtype) | ndim u8 (<= 8) | ndim * dim u32 | nbytes u64
@@ -84,6 +84,9 @@ __all__ = [
     "frame_key",
     "MAX_TENSORS",
     "MAX_NDIM",
+    "FLAG_SHM",
+    "FLAG_SLOT1",
+    "KNOWN_FLAGS",
     "MIN_FRAME_CEILING",
     "DEFAULT_MAX_FRAME_BYTES",
     "TensorKind",
@@ -115,6 +118,13 @@ CONSENSUS_SENDER = b"down"
 """Sender discriminator of a consensus frame (server to every rank; one message, one key)."""
 MAX_TENSORS = 65_536
 MAX_NDIM = 8
+FLAG_SHM = 0x01
+"""Header flag: the payloads are in the connection's shared-memory segment, not in the frame
+(:mod:`flodl.wire.shm`); the tag covers the header and table only."""
+FLAG_SLOT1 = 0x02
+"""With :data:`FLAG_SHM` on a consensus frame: the consensus is in slot 1 (else slot 0)."""
+KNOWN_FLAGS = (0, FLAG_SHM, FLAG_SHM | FLAG_SLOT1)
+"""Every flags byte a valid frame may carry."""
 INLINE_TAG_BYTES = 1 << 20
 """Frames with fewer payload bytes compute their tag before sending; larger ones overlap the
 tag computation with sending the payload (the tag goes last)."""
@@ -183,7 +193,7 @@ class FrameHeader:
         weight: the sender's work weight (uplink) or the round's summed weight (downlink).
         round: the reduce round this frame belongs to.
         num_tensors: number of entries in the tensor table.
-        flags: flag bits; none are defined, so always 0 in a valid frame.
+        flags: flag bits, one of :data:`KNOWN_FLAGS` (0 but on the shared-memory lane).
         version: layout version, always :data:`VERSION` in a valid frame.
     """
 
@@ -479,9 +489,10 @@ def _frame_parts(
     elide_zeros: bool,
     *,
     all_zero: bool,
+    flags: int = 0,
 ) -> tuple[bytes, list[memoryview]]:
     """Header + table and payload views of already validated, contiguous CPU tensors."""
-    table = [HEADER_STRUCT.pack(MAGIC, VERSION, kind, 0, 0, float(weight), round, len(tensors))]
+    table = [HEADER_STRUCT.pack(MAGIC, VERSION, kind, flags, 0, float(weight), round, len(tensors))]
     payloads: list[memoryview] = []
     for t in tensors:
         wire = _WIRE_DTYPE[t.dtype]
@@ -504,6 +515,7 @@ def encode_frame_parts(
     round: int,  # the protocol's word; the builtin is not used here
     elide_zeros: bool = True,
     all_zero: bool = False,
+    flags: int = 0,
 ) -> tuple[bytes, list[memoryview]]:
     """The frame of ``tensors`` without its tag, for senders that authenticate while sending.
 
@@ -524,6 +536,9 @@ def encode_frame_parts(
             reading the tensors' contents (an idle rank's upload, a round with no weight).
             Only shapes and dtypes are read, so any layout will do, e.g. the zero-stride
             ``torch.zeros((), dtype=d).expand(shape)``.
+        flags: the header's flags byte (:data:`KNOWN_FLAGS`). With :data:`FLAG_SHM` the
+            frame is ``head`` and its tag only: the payloads returned are not sent (pass
+            ``elide_zeros=False``, so the table gives every tensor's size in the segment).
 
     Returns:
         ``(head, payloads)``: header and table as one ``bytes``; one ``memoryview`` per
@@ -538,8 +553,10 @@ def encode_frame_parts(
         _check_tensor(index, tensor)
         if not all_zero and (tensor.device.type != "cpu" or not tensor.is_contiguous()):
             raise LocalProtocolError(f"tensor {index}: must be a contiguous CPU tensor")
+    if flags not in KNOWN_FLAGS:
+        raise LocalProtocolError(f"unknown tensor frame flags 0x{flags:02x}")
     detached = [t.detach() for t in tensors]
-    return _frame_parts(detached, kind, weight, round, elide_zeros, all_zero=all_zero)
+    return _frame_parts(detached, kind, weight, round, elide_zeros, all_zero=all_zero, flags=flags)
 
 
 def upload_sender(rank: int) -> bytes:

@@ -110,13 +110,21 @@ def reduce_once(
         client.close()
 
 
-def recorded_run_a() -> bytes:
-    """Everything rank 0 of run A sent on its data connection: a hello and two rounds."""
+def recorded_run_a(shared_memory: bool = False) -> bytes:
+    """Everything rank 0 of run A sent on its data connection: a hello and two rounds (after
+    a shared-memory offer with ``shared_memory``)."""
     with server("run-a", 1) as (srv, _):
         proxy = Recorder(srv.port)
         try:
             client = ReduceClient(
-                "127.0.0.1", proxy.port, SECRET, 0, 1, run_id="run-a", timeout_s=WAIT_S
+                "127.0.0.1",
+                proxy.port,
+                SECRET,
+                0,
+                1,
+                run_id="run-a",
+                timeout_s=WAIT_S,
+                shared_memory=shared_memory,
             )
             try:
                 client.connect(10.0)
@@ -180,16 +188,24 @@ def test_another_runs_recorded_connection_is_refused_at_its_hello() -> None:
         assert [d[:2] for d in done] == [(0, (0,))]
 
 
-def test_another_runs_frames_after_a_genuine_hello_fail_their_tag() -> None:
-    """Even on a connection this run's hello opened, A's upload frames are not B's."""
-    frames = recorded_run_a()[HELLO_BYTES:]
+@pytest.mark.parametrize(
+    ("shared_memory", "refusal"),
+    [(False, "bad tensor frame auth tag"), (True, "bad shared-memory offer auth tag")],
+    ids=["tcp", "shared-memory"],
+)
+def test_another_runs_frames_after_a_genuine_hello_fail_their_tag(
+    shared_memory: bool, refusal: str
+) -> None:
+    """Even on a connection this run's hello opened, A's upload frames are not B's; on the
+    shared-memory lane A's offer (keyed like its frames) is refused first."""
+    frames = recorded_run_a(shared_memory)[HELLO_BYTES:]
     with server("run-b", 1) as (srv, done):
         srv.open_round(0, [0])
         with handshake(srv.port, "run-b") as sock:
             sock.sendall(frames)
             with contextlib.suppress(ConnectionResetError, BrokenPipeError):
                 assert sock.recv(1 << 16) == b""
-        wait_refused(srv, "bad tensor frame auth tag")
+        wait_refused(srv, refusal)
         srv.rank_dead(0)
         wait_for(lambda: bool(done), "the round to end")
         assert [d[:2] for d in done] == [(0, ())]  # nothing of run A was folded
@@ -214,7 +230,9 @@ def test_a_previous_connections_upload_fails_on_the_ranks_next_connection() -> N
     round that is open and waits for exactly that rank."""
     with server("run-a", 1) as (srv, done):
         proxy = Recorder(srv.port, swallow_frames=True)
-        client = ReduceClient("127.0.0.1", proxy.port, SECRET, 0, 1, run_id="run-a")
+        client = ReduceClient(  # (TCP frames: the shared-memory offer would wait for an answer)
+            "127.0.0.1", proxy.port, SECRET, 0, 1, run_id="run-a", shared_memory=False
+        )
         try:
             client.connect(10.0)
             srv.open_round(5, [0])

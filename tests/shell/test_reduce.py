@@ -416,16 +416,27 @@ def test_bf16_wire_within_bf16_tolerance() -> None:
         torch.testing.assert_close(buffers[r][0], expected_buffers, rtol=2e-2, atol=2e-2)
 
 
-def test_mixed_wire_dtypes_accumulate_in_f32_and_reply_in_kind() -> None:
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["tcp", "shared-memory"])
+def test_mixed_wire_dtypes_accumulate_in_f32_and_reply_in_kind(shared_memory: bool) -> None:
+    """A bf16-wire rank's upload is rounded on TCP; through shared memory it goes as f32 (no
+    bytes to save), but on both lanes its consensus is rounded through bf16."""
     params = [model(r, ((300,),)) for r in range(2)]
-    uploads = [params[0][0] * 2.0, (params[1][0] * 3.0).bfloat16().float()]
+    narrowed = params[1][0] * 3.0 if shared_memory else (params[1][0] * 3.0).bfloat16().float()
+    uploads = [params[0][0] * 2.0, narrowed]
     accumulated = (uploads[0] + uploads[1]) / 5.0  # what the server holds, in f32
     server_clients = []
     with serving(2) as (server, _):
         try:
             for rank, bf16 in ((0, False), (1, True)):
                 client = ReduceClient(
-                    "127.0.0.1", server.port, SECRET, rank, 2, run_id=RUN, bf16_wire=bf16
+                    "127.0.0.1",
+                    server.port,
+                    SECRET,
+                    rank,
+                    2,
+                    run_id=RUN,
+                    bf16_wire=bf16,
+                    shared_memory=shared_memory,
                 )
                 server_clients.append(client)
                 client.connect(5.0)
@@ -435,6 +446,7 @@ def test_mixed_wire_dtypes_accumulate_in_f32_and_reply_in_kind() -> None:
                 for r in range(2)
             ]
             assert [w.result() for w in workers] == [(5.0, 2.0)] * 2
+            assert [c.in_shared_memory for c in server_clients] == [shared_memory] * 2
         finally:
             for client in server_clients:
                 client.close()
@@ -785,10 +797,10 @@ def test_hello_layout_and_keys() -> None:
     nonce, server_nonce = bytes(range(16)), bytes(range(16, 32))
     hello = encode_data_hello(SECRET, RUN, 3, 8, nonce)
     assert len(hello) == HELLO_BYTES == 53
-    assert struct.unpack("!IBII", hello[:13]) == (0xF10D17C0, 2, 3, 8)
+    assert struct.unpack("!IBII", hello[:13]) == (0xF10D17C0, 3, 3, 8)
     assert hello[13:21] == run_fingerprint(RUN) and hello[21:37] == nonce
     ack = encode_data_ack(SECRET, RUN, hello, server_nonce)
-    assert struct.unpack("!IBII", ack[:13]) == (0xF10D17C1, 2, 3, 8)
+    assert struct.unpack("!IBII", ack[:13]) == (0xF10D17C1, 3, 3, 8)
     assert ack[21:37] == server_nonce
     check_data_ack(SECRET, RUN, hello, ack)
     with pytest.raises(FrameError, match="tag"):

@@ -351,7 +351,9 @@ def test_bad_weight_is_rejected(weight: float, message: str) -> None:
         ({"magic": 0xF10D17F0}, "bad magic"),
         ({"version": VERSION + 1}, "unsupported tensor frame version"),
         ({"kind": 3}, "unknown tensor frame kind"),
-        ({"flags": 1}, "flags"),
+        ({"flags": 4}, "flags"),
+        ({"flags": 1}, "shared-memory frame where a frame with its payloads"),
+        ({"flags": 2}, "flags"),  # the slot flag alone (it goes with the shared-memory one)
         ({"reserved": 1}, "reserved"),
         ({"num_tensors": MAX_TENSORS + 1}, "too many tensors"),
         ({"num_tensors": 2}, "count mismatch"),

@@ -1,0 +1,181 @@
+"""The rank half of the data channel's shared-memory lane (format: :mod:`flodl.wire.shm`): its
+upload segment, the server's consensus segment mapped read-only, and the views a round writes
+and reads. No sockets: :class:`~flodl.rank.reduce_client.ReduceClient` sends the offer, reads
+the answer and the frames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from flodl.errors import CoordinatorLost, FrameError
+from flodl.wire.shm import (
+    FLAG_SLOT1,
+    PROBE_BYTES,
+    Answer,
+    Region,
+    SegmentLayout,
+    acc_dtype,
+    tensor_views,
+)
+from flodl.wire.shm_segment import Segment, available
+from flodl.wire.tensor_read import FramePrefix
+from flodl.wire.tensors import TensorKind
+
+__all__ = ["LocalLane", "lane_problem"]
+
+_KINDS = (TensorKind.MODEL_PARAMS, TensorKind.MODEL_BUFFERS)
+
+
+def lane_problem(params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> str | None:
+    """Why these tensors cannot take the lane (``None`` when they can): the platform, or an
+    accumulation region that would hold two wire dtypes (f32 and bf16 tensors side by side)."""
+    why = available()
+    if why is not None:
+        return why
+    for what, tensors in (("params", params), ("buffers", buffers)):
+        natives: dict[torch.dtype, torch.dtype] = {}
+        for t in tensors:
+            if natives.setdefault(acc_dtype(t.dtype), t.dtype) != t.dtype:
+                return f"{what} mix {natives[acc_dtype(t.dtype)]} and {t.dtype} tensors"
+    return None
+
+
+class LocalLane:
+    """The rank's segments once the server accepted its offer.
+
+    Create with :meth:`offer_segment` (before the offer), then :meth:`accept` the answer.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
+        self._shapes = {
+            TensorKind.MODEL_PARAMS: [tuple(t.shape) for t in params],
+            TensorKind.MODEL_BUFFERS: [tuple(t.shape) for t in buffers],
+        }
+        self._natives = {
+            TensorKind.MODEL_PARAMS: [t.dtype for t in params],
+            TensorKind.MODEL_BUFFERS: [t.dtype for t in buffers],
+        }
+        self._accs = {k: [acc_dtype(d) for d in self._natives[k]] for k in _KINDS}
+        args = (
+            self._shapes[TensorKind.MODEL_PARAMS],
+            self._accs[TensorKind.MODEL_PARAMS],
+            self._shapes[TensorKind.MODEL_BUFFERS],
+            self._accs[TensorKind.MODEL_BUFFERS],
+        )
+        self.upload_layout = SegmentLayout.of(*args, slots=1)
+        self.consensus_layout = SegmentLayout.of(*args, slots=2)
+        self.upload = Segment.create(self.upload_layout.nbytes, "flodl-upload")
+        self.consensus: Segment | None = None
+        self._upload_views: dict[tuple[TensorKind, bool], list[torch.Tensor]] = {}
+        self._consensus_views: dict[tuple[TensorKind, int], list[torch.Tensor]] = {}
+        self._rounding: dict[TensorKind, list[torch.Tensor]] = {}
+        self._stamps: torch.Tensor | None = None
+
+    def accept(self, answer: Answer) -> None:
+        """Map the consensus segment the answer names.
+
+        Raises:
+            OSError: it cannot be mapped, or is not what was named.
+        """
+        if answer.size != self.consensus_layout.nbytes:
+            raise OSError(
+                f"the server's consensus segment is {answer.size} bytes, this model needs "
+                f"{self.consensus_layout.nbytes}"
+            )
+        self.consensus = Segment.open_peer(answer.pid, answer.fd, answer.size, answer.probe)
+        self._stamps = self.consensus.data[PROBE_BYTES : PROBE_BYTES + 16].view(torch.int64)
+
+    def close(self) -> None:
+        self._upload_views.clear()
+        self._consensus_views.clear()
+        self._stamps = None
+        self.upload.close()
+        if self.consensus is not None:
+            self.consensus.close()
+
+    def _regions(self, layout: SegmentLayout, kind: TensorKind, slot: int) -> tuple[Region, ...]:
+        return layout.params[slot] if kind is TensorKind.MODEL_PARAMS else layout.buffers[slot]
+
+    def upload_views(self, kind: TensorKind, bf16: bool) -> list[torch.Tensor]:
+        """Where this round's upload of ``kind`` goes, in its wire dtypes (f32 regions as bf16
+        with ``bf16``)."""
+        key = (kind, bf16)
+        views = self._upload_views.get(key)
+        if views is None:
+            natives = self._natives[kind]
+            accs = self._accs[kind]
+            wire = {
+                a: (torch.bfloat16 if bf16 and n == torch.float32 else n)
+                for a, n in zip(accs, natives, strict=True)
+            }
+            regions = self._regions(self.upload_layout, kind, 0)
+            views = tensor_views(regions, self._shapes[kind], accs, self.upload.data, wire)
+            self._upload_views[key] = views
+        return views
+
+    def consensus_views(
+        self, kind: TensorKind, prefix: FramePrefix
+    ) -> tuple[int, list[torch.Tensor]]:
+        """The slot a shared-memory consensus frame names and its tensors there, after
+        checking the frame's table against the model.
+
+        Raises:
+            FrameError: the table is not this model's in its accumulation dtypes.
+        """
+        got = [(s.shape, s.dtype.torch_dtype) for s in prefix.layout.specs]
+        want = list(zip(self._shapes[kind], self._accs[kind], strict=True))
+        if got != want or any(s.elided for s in prefix.layout.specs):
+            raise FrameError(f"shared-memory consensus {kind.name} table is not the model's")
+        slot = 1 if prefix.header.flags & FLAG_SLOT1 else 0
+        key = (kind, slot)
+        views = self._consensus_views.get(key)
+        if views is None:
+            assert self.consensus is not None
+            regions = self._regions(self.consensus_layout, kind, slot)
+            views = tensor_views(regions, self._shapes[kind], self._accs[kind], self.consensus.data)
+            self._consensus_views[key] = views
+        return slot, views
+
+    def check_stamp(self, slot: int, cycle: int) -> None:
+        """Raise unless ``slot`` holds round ``cycle``'s consensus (before and after a copy).
+
+        Raises:
+            CoordinatorLost: the slot holds another round (rewritten under this rank: it fell
+                two rounds behind while copying), so this rank's copy is not a consensus.
+        """
+        assert self._stamps is not None
+        held = int(self._stamps[slot])
+        if held != cycle:
+            raise CoordinatorLost(
+                f"consensus slot {slot} holds round {held} while reading round {cycle}"
+            )
+
+    def apply(
+        self,
+        kind: TensorKind,
+        dst: Sequence[torch.Tensor],
+        src: Sequence[torch.Tensor],
+        bf16: bool,
+    ) -> None:
+        """Copy the consensus ``src`` into ``dst``; with ``bf16`` (this round's wire) f32
+        tensors are rounded through bf16 first, so the values are those a TCP rank of the
+        same wire receives."""
+        if not bf16:
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s)
+            return
+        rounding = self._rounding.get(kind)
+        if rounding is None:
+            rounding = self._rounding[kind] = [
+                torch.empty(s.shape, dtype=torch.bfloat16) if s.dtype == torch.float32 else s
+                for s in src
+            ]
+        for d, s, r in zip(dst, src, rounding, strict=True):
+            if s.dtype == torch.float32:
+                r.copy_(s)
+                d.copy_(r)
+            else:
+                d.copy_(s)

@@ -1,0 +1,199 @@
+"""The reduce server's shared-memory lane (docs/design.md §7): rank processes on the server's
+host average through memory, with the same consensus as TCP; offers that name the wrong
+memory are declined, bad frames refused, a slot rewritten under a reader is an error.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_reduce import (
+    RUN,
+    SECRET,
+    Worker,
+    assert_closed_by_peer,
+    clients,
+    model,
+    raw_rank,
+    recv_exactly,
+    serving,
+    wait_until,
+    weighted_mean,
+)
+
+from flodl.errors import CoordinatorLost
+from flodl.rank.reduce_shm import LocalLane
+from flodl.wire.shm import (
+    ANSWER_BYTES,
+    PROBE_BYTES,
+    Answer,
+    encode_offer,
+    parse_answer,
+)
+from flodl.wire.shm_segment import Segment, available
+from flodl.wire.tensors import FLAG_SHM, TensorKind, encode_frame_parts, frame_tag, upload_sender
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(available() is not None, reason=f"no shared memory: {available()}"),
+]
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from flodl.rank.reduce_client import ReduceClient
+    port, rank, world, shm, bf16, out = sys.argv[1:]
+    rank, world = int(rank), int(world)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    params = [torch.randn(64, 33, generator=gen), torch.randn(17, generator=gen)]
+    buffers = [torch.randn(5, generator=gen)]
+    client = ReduceClient("127.0.0.1", int(port), SECRET, rank, world, run_id=RUN,
+                          bf16_wire=bf16 == "1", shared_memory=shm == "1", timeout_s=60)
+    client.connect(30.0)
+    try:
+        for cycle in (1, 2, 3):
+            params[0].mul_(1.5).add_(rank)  # "training" between rounds
+            client.reduce(cycle, params, float(rank + cycle), buffers, True)
+        torch.save({"params": params, "buffers": buffers, "shm": client.in_shared_memory}, out)
+    finally:
+        client.close()
+    """
+)
+
+
+def run_ranks(tmp: Path, world: int, *, shm: bool, bf16: bool = False) -> list[dict[str, Any]]:
+    """``world`` rank processes through a server of this process, three rounds."""
+    script = f"SECRET = {SECRET!r}\nRUN = {RUN!r}\n" + RANK_SCRIPT
+    outs = [tmp / f"rank{r}-{shm}-{bf16}.pt" for r in range(world)]
+    with serving(world) as (server, done):
+        for cycle in (1, 2, 3):
+            server.open_round(cycle, range(world))
+        procs = [
+            subprocess.Popen(
+                [
+                    *(sys.executable, "-c", script, str(server.port), str(r), str(world)),
+                    *("1" if shm else "0", "1" if bf16 else "0", str(outs[r])),
+                ],
+                env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            )
+            for r in range(world)
+        ]
+        try:
+            assert [p.wait(100) for p in procs] == [0] * world
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        assert [c[0] for c in done.wait(3)] == [1, 2, 3]
+    return [torch.load(o) for o in outs]
+
+
+def test_rank_processes_average_through_memory_exactly_as_over_tcp(tmp_path: Path) -> None:
+    tcp = run_ranks(tmp_path, 3, shm=False)
+    shm = run_ranks(tmp_path, 3, shm=True)
+    assert [r["shm"] for r in tcp] == [False] * 3
+    assert [r["shm"] for r in shm] == [True] * 3  # separate processes, through /proc/<pid>/fd
+    for a, b in zip(tcp, shm, strict=True):  # the same f32 arithmetic, bit for bit
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
+        assert all(torch.equal(x, y) for x, y in zip(a["buffers"], b["buffers"], strict=True))
+    first = shm[0]["params"]
+    assert all(torch.equal(x, y) for r in shm[1:] for x, y in zip(first, r["params"], strict=True))
+
+
+def test_bf16_wire_through_memory_rounds_the_consensus_like_tcp(tmp_path: Path) -> None:
+    shm = run_ranks(tmp_path, 2, shm=True, bf16=True)
+    tcp = run_ranks(tmp_path, 2, shm=False, bf16=True)
+    for r in shm:
+        assert r["shm"]
+        for p in r["params"]:  # every value is a bf16 value: the consensus was rounded
+            assert torch.equal(p, p.bfloat16().float())
+    assert all(torch.equal(x, y) for x, y in zip(shm[0]["params"], shm[1]["params"], strict=True))
+    for x, y in zip(shm[0]["params"], tcp[0]["params"], strict=True):  # uploads differ: f32
+        torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)
+
+
+def test_a_server_without_the_lane_declines_and_the_rank_keeps_tcp() -> None:
+    params = [model(r) for r in range(2)]
+    expected = weighted_mean([[p.clone() for p in ps] for ps in params], [1.0, 2.0])
+    with serving(2, shared_memory=False) as (server, _), clients(server, [0, 1]) as cs:
+        server.open_round(1, [0, 1])
+        workers = [
+            Worker(lambda r=r: cs[r].reduce(1, params[r], [1.0, 2.0][r], [], True))
+            for r in range(2)
+        ]
+        assert [w.result() for w in workers] == [(3.0, 2.0)] * 2
+        assert [c.in_shared_memory for c in cs.values()] == [False, False]
+    for r in range(2):
+        for e, g in zip(expected, params[r], strict=True):
+            torch.testing.assert_close(g, e)
+
+
+def test_an_offer_naming_other_memory_is_declined_and_the_connection_goes_on() -> None:
+    with serving(1) as (server, _), Segment.create(4096, "test") as seg:
+        sock, keys = raw_rank(server, 0)
+        with sock:
+            for pid, fd, size, probe in (
+                (os.getpid(), seg.fd, seg.size, bytes(PROBE_BYTES)),  # another probe
+                (os.getpid(), seg.fd, seg.size + 64, seg.probe),  # another size
+                (os.getpid(), 999_999, seg.size, seg.probe),  # no such descriptor
+            ):
+                offer = encode_offer(keys.upload, pid, fd, size, probe)
+                sock.sendall(offer)
+                answer = parse_answer(keys.upload, offer, recv_exactly(sock, ANSWER_BYTES))
+                assert not answer.accepted
+                # (a declined offer leaves the connection able to offer again)
+                server_conn = server._by_rank[0]  # (the server's view of it)
+                assert server_conn.shm is None and not server_conn.closed
+            offer = encode_offer(b"another key", os.getpid(), seg.fd, seg.size, seg.probe)
+            sock.sendall(offer)
+            assert_closed_by_peer(sock)
+        wait_until(
+            lambda: server.refusals.counts["bad shared-memory offer auth tag"] == 1,
+            "the bad offer's refusal",
+        )
+
+
+def test_a_shared_memory_frame_without_a_segment_is_refused() -> None:
+    with serving(1) as (server, _):
+        sock, keys = raw_rank(server, 0)
+        with sock:
+            server.open_round(1, [0])
+            head, _ = encode_frame_parts(
+                [torch.ones(3)],
+                kind=TensorKind.MODEL_PARAMS,
+                weight=1.0,
+                round=1,
+                elide_zeros=False,
+                flags=FLAG_SHM,
+            )
+            sock.sendall(head + frame_tag(keys.upload, head, [], sender=upload_sender(0)))
+            assert_closed_by_peer(sock)
+        reason = "a shared-memory frame on a connection without a segment"
+        wait_until(lambda: server.refusals.counts[reason] == 1, "the refusal")
+
+
+def test_a_slot_rewritten_under_its_reader_is_an_error_not_a_mix() -> None:
+    params, buffers = [torch.ones(4, 4)], [torch.zeros(2)]
+    lane = LocalLane(params, buffers)
+    try:
+        size = lane.consensus_layout.nbytes
+        with Segment.create(size, "test-consensus") as cons:
+            stamps = cons.data[PROBE_BYTES : PROBE_BYTES + 16].view(torch.int64)
+            lane.accept(Answer(True, cons.pid, cons.fd, cons.size, cons.probe))
+            stamps[1] = 7
+            lane.check_stamp(1, 7)
+            stamps[1] = 9  # the server folded two rounds on while this rank copied
+            with pytest.raises(CoordinatorLost, match="slot 1 holds round 9 while reading round 7"):
+                lane.check_stamp(1, 7)
+            with pytest.raises(OSError, match="bytes, this model needs"):
+                LocalLane(params, buffers).accept(Answer(True, cons.pid, cons.fd, 64, cons.probe))
+    finally:
+        lane.close()
