@@ -159,3 +159,13 @@ def rank_pid(tag: str, rank: int) -> int | None:
         if f"FLODL_RANK={rank}".encode() in env:
             return pid
     return None
+
+
+def uptime() -> str:
+    """``uptime``'s line (the machine's load), or ``n/a``."""
+    try:
+        return subprocess.run(
+            ["uptime"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError:
+        return "n/a"

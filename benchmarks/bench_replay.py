@@ -38,7 +38,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from _common import RESULTS_DIR, ensure_repo_on_path, machine_info, print_table, write_json
+from _common import (
+    RESULTS_DIR,
+    ensure_repo_on_path,
+    machine_info,
+    print_table,
+    uptime,
+    write_json,
+)
 
 ensure_repo_on_path()
 
@@ -372,15 +379,6 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _uptime() -> str:
-    try:
-        return subprocess.run(
-            ["uptime"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        return "n/a"
-
-
 # ---------------------------------------------------------------------------------------------
 # entry
 # ---------------------------------------------------------------------------------------------
@@ -434,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown is not None:
         print(markdown(json.loads(Path(args.markdown).read_text())))
         return 0
-    uptime_before = _uptime()
+    uptime_before = uptime()
     date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{date}; {uptime_before}", flush=True)
     runs: list[dict[str, Any]] = []
@@ -461,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([COMMAND, *shown]),
         "date": date,
         "uptime_before": uptime_before,
-        "uptime_after": _uptime(),
+        "uptime_after": uptime(),
         "machine": machine_info(),
         "settings": {
             "modes": args.mode_list,

@@ -153,8 +153,9 @@ def test_suite_plan_and_extractors(bench: Any) -> None:
         ]
     }
     assert m._coord(coord)[0]["met"] is False
-    row = {"world": 2, "mib": 64, "tags": "streamed", "wire": "f32", "ratio_vs_gloo": 1.1}
-    reduce = {"rows": [{**row, "target_ratio": 1.2, "target_met": True}]}
+    row = {"world": 2, "mib": 64, "lane": "shm", "wire": "f32", "ratio_vs_gloo": 0.6}
+    ablation = {**row, "lane": "tcp tag-first", "target_ratio": None, "target_met": None}
+    reduce = {"rows": [{**row, "target_ratio": 1.0, "target_met": True}, ablation]}
     assert [r["met"] for r in m._reduce(reduce)] == [True]  # a JSON without the loop lag
     lag = {"mib": 256, "lag_p99_ms": 62.3, "target_p99_ms": 50.0, "target_met": False}
     rows = m._reduce({**reduce, "loop_lag": lag})
