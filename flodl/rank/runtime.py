@@ -300,7 +300,7 @@ class RankLoop:
                 run_id=spec.run_id,
                 bf16_wire=self.el.bf16_wire,
                 timeout_s=self.timeouts.data_io_s,
-                # on the coordinator's host the rounds go through shared memory (design §1);
+                # on the coordinator's host the rounds go through shared memory (docs/design.md §1);
                 # FLODL_SHARED_MEMORY=0 keeps every rank on TCP
                 shared_memory=os.environ.get("FLODL_SHARED_MEMORY", "1") != "0",
             )

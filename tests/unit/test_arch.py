@@ -52,6 +52,8 @@ LAYERS: list[tuple[str, list[str]]] = [
             "flodl.wire.tensors",
             "flodl.wire.tensor_read",
             "flodl.wire.data_hello",
+            "flodl.wire.shm",
+            "flodl.wire.shm_segment",
             "flodl.data",
             "flodl.outer",
             "flodl.checkpoint",
