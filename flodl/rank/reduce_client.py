@@ -372,9 +372,7 @@ class ReduceClient:
         """Head and payloads of the upload of ``tensors`` scaled by ``weight`` (no payloads on
         the stream when they go into the shared segment)."""
         if self._lane is not None and weight > 0:
-            # f32 even with bf16 wire: in memory, narrowing costs a pass and saves nothing; the
-            # consensus is still rounded through bf16 on receipt (LocalLane.apply)
-            views = self._lane.upload_views(kind, False)
+            views = self._lane.upload_views(kind)  # (f32 even with bf16 wire)
             for t, v in zip(tensors, views, strict=True):
                 t = t.detach()
                 if weight == 1.0 or t.device.type != "cpu":

@@ -69,7 +69,7 @@ class LocalLane:
         self.consensus_layout = SegmentLayout.of(*args, slots=2)
         self.upload = Segment.create(self.upload_layout.nbytes, "flodl-upload")
         self.consensus: Segment | None = None
-        self._upload_views: dict[tuple[TensorKind, bool], list[torch.Tensor]] = {}
+        self._upload_views: dict[TensorKind, list[torch.Tensor]] = {}
         self._consensus_views: dict[tuple[TensorKind, int], list[torch.Tensor]] = {}
         self._rounding: dict[TensorKind, list[torch.Tensor]] = {}
         self._stamps: torch.Tensor | None = None
@@ -99,21 +99,17 @@ class LocalLane:
     def _regions(self, layout: SegmentLayout, kind: TensorKind, slot: int) -> tuple[Region, ...]:
         return layout.params[slot] if kind is TensorKind.MODEL_PARAMS else layout.buffers[slot]
 
-    def upload_views(self, kind: TensorKind, bf16: bool) -> list[torch.Tensor]:
-        """Where this round's upload of ``kind`` goes, in its wire dtypes (f32 regions as bf16
-        with ``bf16``)."""
-        key = (kind, bf16)
-        views = self._upload_views.get(key)
+    def upload_views(self, kind: TensorKind) -> list[torch.Tensor]:
+        """Where a round's upload of ``kind`` goes, in the tensors' own dtypes (bf16 wire does
+        not narrow f32 here: in memory that costs a pass and saves nothing; the consensus is
+        still rounded through bf16 on receipt, :meth:`apply`)."""
+        views = self._upload_views.get(kind)
         if views is None:
-            natives = self._natives[kind]
             accs = self._accs[kind]
-            wire = {
-                a: (torch.bfloat16 if bf16 and n == torch.float32 else n)
-                for a, n in zip(accs, natives, strict=True)
-            }
+            wire = dict(zip(accs, self._natives[kind], strict=True))
             regions = self._regions(self.upload_layout, kind, 0)
             views = tensor_views(regions, self._shapes[kind], accs, self.upload.data, wire)
-            self._upload_views[key] = views
+            self._upload_views[kind] = views
         return views
 
     def consensus_views(

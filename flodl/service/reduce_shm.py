@@ -145,8 +145,6 @@ class ShmLane:
         specs = prefix.layout.specs
         if any(s.elided for s in specs):
             raise FrameError("a shared-memory frame elides a tensor (it carries them all)")
-        layout = _layout(models, slots=1)
-        regions = layout.params[0] if kind is TensorKind.MODEL_PARAMS else layout.buffers[0]
         model = models[kind]
         wires: dict[torch.dtype, torch.dtype] = {}
         for index, (spec, acc) in enumerate(zip(specs, model.dtypes, strict=True)):
@@ -156,9 +154,11 @@ class ShmLane:
                     f"{kind.name} tensor {index}: {spec.dtype.name} where the other {acc} "
                     f"tensors are {wires[acc]} (one wire dtype per region)"
                 )
-        key = (kind, tuple(wires[r.dtype] for r in regions))
+        key = (kind, tuple(wires[d] for d in dict.fromkeys(model.dtypes)))
         flat = upload.flats.get(key)
         if flat is None:
+            layout = _layout(models, slots=1)
+            regions = layout.params[0] if kind is TensorKind.MODEL_PARAMS else layout.buffers[0]
             end = max((r.offset + r.numel * r.dtype.itemsize for r in regions), default=0)
             if end > upload.segment.size:
                 raise FrameError(
