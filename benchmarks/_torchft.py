@@ -146,11 +146,20 @@ def _replica(replica: int, cfg: dict[str, Any], lighthouse: str, out_dir: str) -
     os.dup2(noise, 1)
     os.dup2(noise, 2)
     events = os.open(out / f"replica{replica}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    task = demo_task(samples=cfg["samples"], seed=cfg["seed"])
+    task = demo_task(samples=cfg["samples"], seed=cfg["seed"], **cfg.get("task", {}))
     spf = float(cfg["step_per_forward"])
-    factor = float(cfg.get("factor", 1.0))
-    slowdown = Slowdown.for_rank({SLOW_RANK: factor}, rank=replica, step_per_forward=spf)
-    timed = TimedStep(task.train_step, slowdown, spf, out / f"replica{replica}.steps")
+    if "slow" in cfg:
+        slow = {int(r): float(f) for r, f in cfg["slow"].items()}
+    else:
+        slow = {SLOW_RANK: float(cfg.get("factor", 1.0))}
+    slowdown = Slowdown.for_rank(slow, rank=replica, step_per_forward=spf)
+    timed = TimedStep(
+        task.train_step,
+        slowdown,
+        spf,
+        out / f"replica{replica}.steps",
+        measure=cfg.get("measure", "forward"),
+    )
     model = task.model_factory("cpu")
     optim = task.optim_factory(model.parameters())
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -176,6 +185,8 @@ def _replica(replica: int, cfg: dict[str, Any], lighthouse: str, out_dir: str) -
         hostname="127.0.0.1",
         # every replica builds the same seeded initial weights (demo model_factory)
         init_sync=False,
+        # DiLoCo refuses the asynchronous quorum LocalSGD runs with by default
+        use_async_quorum=cfg.get("algorithm", "localsgd") != "diloco",
     )
 
     class QuorumSpy:
@@ -219,24 +230,40 @@ def _replica(replica: int, cfg: dict[str, Any], lighthouse: str, out_dir: str) -
 
     world = int(cfg["world"])
     forever = bool(cfg.get("forever", False))
+    diloco = cfg.get("algorithm", "localsgd") == "diloco"
+
+    def train(algo: Any) -> None:
+        _log(events, event="start")
+        epoch = 0
+        while forever or epoch < cfg["epochs"]:
+            mine = equal_split(len(task.train), world, replica, epoch, cfg["seed"])
+            for idx in batches(mine, cfg["batch_size"]):
+                batch = task.train.get_batch(idx)
+                optim.zero_grad(set_to_none=True)
+                timed(model, batch).backward()  # type: ignore[no-untyped-call]
+                optim.step()  # the algorithm's post-step hook syncs every sync_every steps
+            epoch += 1
+        if not diloco and algo._local_step > 0:  # the same step count everywhere: one more
+            algo.sync()
+
     try:
-        with LoggedLocalSGD(manager, model, optim, sync_every=int(cfg["sync_every"])) as lsgd:
-            _log(events, event="start")
-            epoch = 0
-            while forever or epoch < cfg["epochs"]:
-                mine = equal_split(len(task.train), world, replica, epoch, cfg["seed"])
-                for idx in batches(mine, cfg["batch_size"]):
-                    batch = task.train.get_batch(idx)
-                    optim.zero_grad(set_to_none=True)
-                    timed(model, batch).backward()  # type: ignore[no-untyped-call]
-                    optim.step()  # LocalSGD's post-step hook syncs every sync_every steps
-                epoch += 1
-            if lsgd._local_step > 0:  # every replica ran the same step count: one last sync
-                lsgd.sync()
+        if diloco:
+            from torchft.local_sgd import DiLoCo
+
+            # DiLoCo's outer step as its paper and torchft's tests set it: Nesterov SGD
+            outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+            with DiLoCo(
+                manager, [model], optim, outer, sync_every=int(cfg["sync_every"]), pin_memory=False
+            ) as algo:
+                train(algo)
+        else:
+            with LoggedLocalSGD(manager, model, optim, sync_every=int(cfg["sync_every"])) as lsgd:
+                train(lsgd)
         result: dict[str, Any] = {"replica": replica, **timed.summary()}
         result["syncs"] = manager.current_step()
         if replica == 0:
             result["metric"] = task.eval_fn(model, task.held_out)
+            result["loss"] = task.loss_fn(model, task.held_out)
         tmp = out / f"replica{replica}.json.tmp"
         tmp.write_text(json.dumps(result))
         tmp.replace(out / f"replica{replica}.json")
@@ -273,8 +300,11 @@ def spawn_replica(replica: int, cfg: dict[str, Any], lighthouse: str, out_dir: P
 
 
 def run_localsgd(cfg: dict[str, Any], out_dir: Path, timeout_s: float = 600.0) -> dict[str, Any]:
-    """LocalSGD with a fixed ``cfg['sync_every']`` for ``cfg['epochs']`` epochs; per-replica
-    summaries plus ``metric`` (replica 0, after the last sync) and ``total_s``."""
+    """LocalSGD (or, with ``cfg['algorithm'] = 'diloco'``, DiLoCo) with a fixed
+    ``cfg['sync_every']`` for ``cfg['epochs']`` epochs; per-replica summaries plus ``metric`` and
+    ``loss`` (replica 0, after the last sync) and ``total_s``. Optional ``cfg`` keys: ``slow``
+    (replica → factor; default ``{SLOW_RANK: cfg['factor']}``), ``task`` (more ``demo_task``
+    sizes), ``measure`` (:class:`TimedStep`'s)."""
     world = int(cfg["world"])
     cfg = {"min_replica_size": world, **cfg}
     t0 = time.perf_counter()
@@ -291,4 +321,9 @@ def run_localsgd(cfg: dict[str, Any], out_dir: Path, timeout_s: float = 600.0) -
                     p.kill()
     total_s = time.perf_counter() - t0
     ranks = [json.loads((out_dir / f"replica{r}.json").read_text()) for r in range(world)]
-    return {"ranks": ranks, "metric": ranks[0]["metric"], "total_s": total_s}
+    return {
+        "ranks": ranks,
+        "metric": ranks[0]["metric"],
+        "loss": ranks[0].get("loss"),
+        "total_s": total_s,
+    }

@@ -28,6 +28,7 @@ __all__ = [
     "encode",
     "VOCAB_SIZE",
     "CharMLP",
+    "held_out_loss",
     "STEP_PER_FORWARD",
     "measure_step_per_forward",
 ]
@@ -100,6 +101,21 @@ class CharMLP(nn.Module):
         return out
 
 
+def held_out_loss(model: nn.Module, held_out: tuple[Tensor, Tensor]) -> float:
+    """Mean next-character cross entropy of ``model`` over ``held_out`` (nats per character)."""
+    x, y = held_out
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(y), 4096):
+            logits = model(x[start : start + 4096].to(device))
+            total += float(F.cross_entropy(logits.cpu(), y[start : start + 4096], reduction="sum"))
+    model.train(was_training)
+    return total / max(1, len(y))
+
+
 @dataclass(frozen=True)
 class DemoTask:
     """Everything a training system needs to train the demo model.
@@ -112,6 +128,8 @@ class DemoTask:
         optim_factory: ``optim_factory(params) -> Optimizer``.
         train_step: ``train_step(model, batch) -> loss`` (forward + cross entropy).
         eval_fn: ``eval_fn(model, held_out) -> accuracy`` (next-character accuracy, 0..1).
+        loss_fn: ``loss_fn(model, held_out) -> loss`` (mean cross entropy, nats per character;
+            :func:`held_out_loss`).
         vocab_size: number of classes (:data:`VOCAB_SIZE`).
         context: characters of context per sample.
         description: one line saying what the task is and where its bytes come from.
@@ -121,6 +139,7 @@ class DemoTask:
             to :func:`~flodl.demo.slowdown.slowed` / :class:`~flodl.demo.slowdown.Slowdown`.
         trivial_accuracy: held-out accuracy of always predicting the most frequent training
             character (the floor a model must beat).
+        parameters: the model's parameter count.
     """
 
     train: TensorBatchDataset
@@ -134,13 +153,15 @@ class DemoTask:
     description: str
     step_per_forward: float = 3.0
     trivial_accuracy: float = 0.0
+    loss_fn: Callable[[nn.Module, tuple[Tensor, Tensor]], float] = held_out_loss
+    parameters: int = 0
 
 
-def _model_factory(context: int, seed: int) -> Callable[[Any], nn.Module]:
+def _model_factory(context: int, seed: int, embed: int, hidden: int) -> Callable[[Any], nn.Module]:
     def make(device: Any = "cpu") -> nn.Module:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = CharMLP(VOCAB_SIZE, context)
+            model = CharMLP(VOCAB_SIZE, context, embed=embed, hidden=hidden)
         return model.to(device)
 
     return make
@@ -202,6 +223,8 @@ def demo_task(
     held_out: int = 8_192,
     corpus_bytes: int = 1 << 20,
     seed: int = 0,
+    embed: int = 16,
+    hidden: int = 256,
 ) -> DemoTask:
     """The demo task: next-character prediction over the standard library's source.
 
@@ -216,10 +239,22 @@ def demo_task(
     comparable only on one interpreter. Everything is deterministic for a given interpreter and
     ``seed`` (the model's initial weights).
 
+    The model is a :class:`CharMLP` of ``embed`` dimensions per context character and two hidden
+    layers of ``hidden`` units: the defaults make a 0.1 M-parameter model whose step takes about
+    a millisecond on one core; ``context=32, embed=32, hidden=1024`` makes a 2.2 M-parameter one
+    of about 25 ms (the realistic workload of ``benchmarks/bench_hetero.py``).
+
     Raises:
         ConfigError: a size is out of range or the corpus is too small for it.
     """
-    for name, value in (("samples", samples), ("context", context), ("held_out", held_out)):
+    sizes = (
+        ("samples", samples),
+        ("context", context),
+        ("held_out", held_out),
+        ("embed", embed),
+        ("hidden", hidden),
+    )
+    for name, value in sizes:
         if value < 1:
             raise ConfigError(f"demo_task: {name} must be >= 1, got {value}")
     ids = encode(read_corpus(corpus_bytes))
@@ -227,10 +262,12 @@ def demo_task(
     hx, hy = _windows(ids, held_out, context, held_out=True)
     counts = torch.bincount(y, minlength=VOCAB_SIZE)
     trivial = float(hy.eq(int(counts.argmax())).float().mean())
+    factory = _model_factory(context, seed, embed, hidden)
+    n_params = sum(p.numel() for p in factory("cpu").parameters())
     return DemoTask(
         train=TensorBatchDataset(x, y),
         held_out=(hx, hy),
-        model_factory=_model_factory(context, seed),
+        model_factory=factory,
         optim_factory=_optim_factory,
         train_step=_train_step,
         eval_fn=_eval_fn,
@@ -239,10 +276,12 @@ def demo_task(
         description=(
             f"next-character prediction over the first {len(ids):,} bytes of the Python "
             f"{sys.version_info.major}.{sys.version_info.minor} standard library's source "
-            f"({samples:,} windows of {context} characters; {held_out:,} held out)"
+            f"({samples:,} windows of {context} characters; {held_out:,} held out); "
+            f"a {n_params / 1e6:.2f} M-parameter CharMLP (embed {embed}, hidden {hidden})"
         ),
         trivial_accuracy=trivial,
         step_per_forward=STEP_PER_FORWARD,
+        parameters=n_params,
     )
 
 

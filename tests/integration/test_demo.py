@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -167,6 +168,88 @@ def test_slowdown_sleeps_factor_minus_one_times_the_measured_step() -> None:
     with off.step():
         busy(0.005)
     assert off.slept_s == 0.0 and off.compute_s == 0.0
+
+
+def test_timed_step_thread_cpu_slows_the_step_cpu_never_a_blocked_wait(tmp_path: Path) -> None:
+    import time
+
+    import torch
+
+    from flodl.demo import Slowdown
+    from flodl.demo.lockstep import TimedStep, read_step_record
+    from flodl.errors import FlodlError
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    def forward(model: Any, batch: Any) -> torch.Tensor:
+        spin(0.01)
+        return torch.zeros(())
+
+    slow = Slowdown(3.0)
+    timed = TimedStep(forward, slow, 3.8, tmp_path / "r.steps", measure="thread_cpu")
+    c0 = time.thread_time()
+    for _ in range(4):
+        timed(None, None)
+        spin(0.005)  # the "backward": counted at the next call
+        time.sleep(0.03)  # blocked in a collective: never counted, never multiplied
+    timed(None, None)
+    cpu = time.thread_time() - c0  # everything the thread ran, the loop included
+    assert 5 * 0.01 + 4 * 0.005 <= slow.compute_s <= cpu + 1e-3
+    assert slow.compute_s < 5 * 0.01 + 4 * 0.005 + 0.02  # the 0.12 s of sleeps stayed out
+    assert slow.slept_s >= 2.0 * slow.compute_s - 1e-6  # (factor - 1) × the step CPU
+    rec = read_step_record(tmp_path / "r.steps")
+    assert rec is not None and rec["steps"] == 5
+    assert rec["busy_s"] == pytest.approx(slow.compute_s + slow.slept_s, rel=1e-6)
+    with pytest.raises(FlodlError, match="measure"):
+        TimedStep(forward, slow, 3.8, measure="wall")
+
+
+def test_demo_task_sizes_make_the_realistic_model_and_a_held_out_loss() -> None:
+    import math
+
+    from flodl.demo import demo_task
+    from flodl.errors import ConfigError
+
+    task = demo_task(samples=512, held_out=256, context=32, embed=32, hidden=1024)
+    model = task.model_factory("cpu")
+    assert task.parameters == sum(p.numel() for p in model.parameters()) == 2_201_729
+    assert "2.20 M-parameter" in task.description
+    assert abs(task.loss_fn(model, task.held_out) - math.log(task.vocab_size)) < 0.2
+    with pytest.raises(ConfigError, match="hidden"):
+        demo_task(samples=16, hidden=0)
+
+
+@pytest.mark.timeout(240)
+def test_lockstep_local_sgd_averages_every_period_and_once_more_at_the_end(
+    tmp_path: Path,
+) -> None:
+    from flodl.demo.lockstep import run_lockstep
+
+    def train(name: str, period: int | None = None) -> dict[str, Any]:
+        return run_lockstep(
+            world=2,
+            samples=512,
+            seed=0,
+            epochs=1,
+            batch_size=32,
+            slow={1: 2.0},
+            step_per_forward=3.8,
+            threads=1,
+            out_dir=tmp_path / name,
+            timeout_s=180.0,
+            measure="thread_cpu",
+            period=period,
+        )
+
+    sgd = train("sgd", period=3)
+    # 8 steps per rank: averaged after steps 0, 3, 6, then once more for step 7
+    assert sgd["syncs"] == 4 and [r["steps"] for r in sgd["ranks"]] == [8, 8]
+    assert 0.0 < sgd["loss"] < 10.0 and 0.0 <= sgd["metric"] <= 1.0
+    ddp = train("ddp")
+    assert ddp["syncs"] == 8 and 0.0 < ddp["loss"] < 10.0
 
 
 def test_slowed_train_step_slows_only_its_rank(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -55,45 +55,75 @@ class FakeSlowdown:
 def test_hetero_arguments_and_defaults(bench: Any) -> None:
     h = bench("bench_hetero")
     args = h.parse_args([])
-    assert args.factor_list == [2.0, 3.0]
-    assert args.system_list == list(h.SYSTEMS)
-    assert (args.epochs, args.repeat) == (4, 2)
-    quick = h.parse_args(["--quick", "--factors", "3", "--systems", "ddp,cpu_cadence"])
-    assert quick.factor_list == [3.0] and quick.system_list == ["cpu_cadence", "ddp"]
-    assert (quick.epochs, quick.repeat) == (2, 1)
-    for bad in (["--systems", "horovod"], ["--factors", "0.5"], ["--factors", "x"]):
+    assert [r.name for r in args.rig_list] == ["x1", "x2", "x3", "mixed4", "micro-x3"]
+    assert args.system_list == list(h.SYSTEMS) and "bound" in args.system_list
+    assert args.rounds == 3 and args.samples == {"realistic": 24_000, "micro": 96_000}
+    quick = h.parse_args(["--quick", "--rigs", "x3", "--systems", "ddp,cpu_cadence"])
+    assert [r.name for r in quick.rig_list] == ["x3"]
+    assert quick.system_list == ["cpu_cadence", "ddp"]  # suite order, whatever the input
+    assert quick.rounds == 1 and quick.samples["realistic"] == 8_000
+    assert h.RIGS["mixed4"].slow == {2: 2.0, 3: 3.0} and h.RIGS["mixed4"].world == 4
+    for bad in (["--systems", "horovod"], ["--rigs", "x9"], ["--rounds", "0"]):
         with pytest.raises(SystemExit):
             h.parse_args(bad)
+    assert h.round_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert h.round_order(["a", "b", "c"], 1) == ["c", "b", "a"]
 
 
-def test_hetero_best_run_parity_and_targets(bench: Any) -> None:
+def test_hetero_medians_ratios_and_targets(bench: Any) -> None:
     h = bench("bench_hetero")
 
-    def run(system: str, span: float, metric: float = 0.5, ok: bool = True) -> dict[str, Any]:
-        if not ok:
-            return {"system": system, "factor": 3.0, "ok": False, "error": "boom"}
-        return {"system": system, "factor": 3.0, "ok": True, "span_s": span, "metric": metric}
+    def run(system: str, rnd: int, span: float, loss: float = 2.0) -> dict[str, Any]:
+        row = {"system": system, "rig": "x3", "round": rnd, "ok": True, "span_s": span}
+        row |= {"total_s": span + 5, "loss": loss, "metric": 0.4, "syncs": 10}
+        return row | {"steps": [30, 10], "idle": [0.1, 0.0]}
 
-    rows = h.best_runs(
-        [
-            run("cpu_cadence", 5.0),
-            run("ddp", 0, ok=False),
-            run("cpu_cadence", 4.0, 0.49),
-            run("ddp", 10.0),
-            run("torchft", 0, ok=False),
-        ]
+    runs = [
+        run("cpu_cadence", 0, 10.0, 2.01),
+        run("ddp", 0, 25.0, 2.0),
+        run("torchft", 0, 20.0),
+        {"system": "bound", "rig": "x3", "round": 0, "ok": True, "span_s": 9.0, "total_s": 9},
+        run("cpu_cadence", 1, 12.0, 2.03),
+        run("ddp", 1, 24.0, 2.0),
+        run("torchft", 1, 22.0),
+        {"system": "bound", "rig": "x3", "round": 1, "ok": True, "span_s": 9.6, "total_s": 9},
+        {"system": "diloco", "rig": "x3", "round": 0, "ok": False, "error": "boom"},
+    ]
+    rows = {r["system"]: r for r in h.aggregate(runs)}
+    cad = rows["cpu_cadence"]
+    assert cad["span_s"] == pytest.approx(11.0) and cad["rounds"] == 2
+    assert cad["vs_ddp"] == pytest.approx((2.5 + 2.0) / 2)  # per-round ratios, then the median
+    assert cad["of_bound"] == pytest.approx((0.9 + 0.8) / 2)
+    assert cad["of_bound_min"] == pytest.approx(0.8)
+    assert cad["loss_vs_ddp"] == pytest.approx(0.01)
+    assert not rows["diloco"]["ok"] and rows["diloco"]["error"] == "boom"
+    goals = {t["check"]: t for t in h.targets(list(rows.values())) if t["system"] == "cpu_cadence"}
+    assert goals["fraction of the balance bound (median; worst round)"]["met"] is False
+    assert goals["speed vs DDP"]["met"] is False  # 2.25× < 2.5×
+    assert goals["held-out loss vs DDP"]["met"] is True  # exactly +1 %
+    text = h.markdown(
+        {
+            "command": "python benchmarks/bench_hetero.py",
+            "date": "2026-12-03 12:00 UTC",
+            "took_s": 60.0,
+            "uptime_before": "up",
+            "uptime_after": "up",
+            "machine": {"cpus": 2},
+            "versions": {"torch": "2.13.0", "torchft": None},
+            "config": {
+                "rounds": 2,
+                "tasks": {"realistic": "big", "micro": "small"},
+                "samples": {"realistic": 100, "micro": 400},
+                "batch_size": 64,
+                "threads": 1,
+            },
+            "rows": list(rows.values()),
+            "runs": runs,
+            "targets": h.targets(list(rows.values())),
+        }
     )
-    by = {r["system"]: r for r in rows}
-    assert by["cpu_cadence"]["span_s"] == 4.0 and by["cpu_cadence"]["repeats_ok"] == 2
-    assert by["ddp"]["span_s"] == 10.0
-    assert not by["torchft"]["ok"]
-    assert h.within_parity(0.496, 0.50)  # 0.4 pp below
-    assert h.within_parity(0.60, 0.50)  # better is within
-    assert not h.within_parity(0.48, 0.50)  # 2 pp and 4 % below
-    (goal,) = h.targets(rows)
-    assert goal["system"] == "cpu_cadence" and goal["vs_ddp"] == pytest.approx(2.5)
-    assert goal["met_vs_ddp"] is False  # 1 pp below DDP: outside the bound
-    assert goal["met_vs_torchft"] is None and "boom" in goal["why_vs_torchft"]
+    assert "| x3 | cpu_cadence | 11.0 (10.0–12.0) |" in text
+    assert "speed vs DDP 2.25× (target ≥ 2.5×): **not met**" in text
 
 
 def test_step_record_round_trip_and_equal_split(bench: Any, tmp_path: Path) -> None:
@@ -130,20 +160,26 @@ def test_suite_plan_and_extractors(bench: Any) -> None:
     hetero = {
         "targets": [
             {
+                "rig": "x3",
                 "system": "cpu_cadence",
-                "factor": 3.0,
-                "vs_ddp": 2.0,
-                "target_vs_ddp": 1.5,
-                "metric_delta_vs_ddp": -0.001,
-                "met_vs_ddp": True,
-                "met_vs_torchft": None,
-                "why_vs_torchft": "torchft not importable",
-            }
+                "check": "speed vs DDP",
+                "value": 2.6,
+                "target": "≥ 2.5×",
+                "met": True,
+            },
+            {
+                "rig": "x3",
+                "system": "cpu_cadence",
+                "check": "speed vs torchft LocalSGD",
+                "value": None,
+                "target": "≥ 2.4×",
+                "met": None,
+            },
         ]
     }
     rows = m._hetero(hetero)
     assert [row["met"] for row in rows] == [True, None]
-    assert "torchft not importable" in rows[1]["note"]
+    assert rows[0]["value"] == "2.60×" and rows[1]["value"] == "n/a"
     with pytest.raises(KeyError):
         m._hetero({"targets": []})
     coord = {
