@@ -1,21 +1,20 @@
-"""Lock-step synchronous data parallelism on the demo task: the baseline ``flodl demo`` and the
-benchmarks measure flodl against.
+"""Lock-step data parallelism on the demo task: the baselines ``flodl demo`` and the benchmarks
+measure flodl against (docs/design.md §9).
 
 :func:`run_lockstep` trains with real ``torch.nn.parallel.DistributedDataParallel`` on Gloo,
 one spawned process per rank on this host: every rank gets an equal shard of each epoch
 (``torch.utils.data.DistributedSampler`` semantics, :func:`equal_split`), and every step
-all-reduces the gradients, so each step waits for the slowest rank. A rank is slowed by the
-same :class:`~flodl.demo.slowdown.Slowdown` the flodl ranks use, through :class:`TimedStep`,
-which also counts the rank's busy time the same way for every system (docs/design.md §9,
-"The demo").
+all-reduces the gradients, so each step waits for the slowest rank. With ``period`` it runs
+local SGD instead: ``torch``'s ``PeriodicModelAverager`` averages the parameters every
+``period`` steps. A rank is slowed by the same :class:`~flodl.demo.slowdown.Slowdown` the flodl
+ranks use, through :class:`TimedStep`, which also counts the rank's busy time the same way for
+every system.
 
 :class:`TimedStep` wraps the demo task's ``train_step`` (forward + loss): it applies the
-slowdown (:meth:`~flodl.demo.slowdown.Slowdown.forward`: sleep ``(factor − 1) ×
-step_per_forward ×`` the measured forward) and counts ``step_per_forward × forward + sleep``
-per step, the estimated compute of a whole step plus the slowdown, never a wait for another
-rank. A rank's counters live in a small fixed-size file rewritten in place after every step
-(``os.pwrite``): flodl's rank processes end with ``os._exit``, so nothing after their training
-loop is guaranteed to run.
+slowdown and counts the step's compute plus the slowdown as busy, never a wait for another
+rank (its two measures are in its docstring). A rank's counters live in a small fixed-size
+file rewritten in place after every step (``os.pwrite``): flodl's rank processes end with
+``os._exit``, so nothing after their training loop is guaranteed to run.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
     yield load
     for name in (
         "bench_hetero",
+        "bench_coord",
+        "bench_startup",
         "bench_recovery",
         "bench_replay",
         "_ddp",
@@ -366,3 +368,50 @@ def test_replay_summary_verdicts_and_suite_extractor(bench: Any) -> None:
     assert "bench_replay" in m.SPECS
     with pytest.raises(KeyError):
         m._replay({"target_time_error": 0.15, "summary": {"modes": []}})
+
+
+def test_coord_verdicts_and_markdown(bench: Any) -> None:
+    c = bench("bench_coord")
+    rows = [
+        {"world": w, "cycle_us": us, "cycle_us_per_rank": us / w, "batch_us": 3.5}
+        | {"total_ms_per_cycle": 1.0, "one_off_ms": 2.0, "sim_rank_seconds_per_wall_s": 700}
+        for w, us in ((8, 300.0), (64, 1_500.0), (4096, 120_000.0))
+    ]
+    v = c.verdicts(rows)
+    assert v["met_cycle"] is False and v["cycle_ms_4096"] == pytest.approx(120.0)
+    assert v["per_rank_growth_64_to_4096"] == pytest.approx((120_000 / 4096) / (1_500 / 64))
+    assert v["met_linear"] is True
+    text = c.markdown(
+        {
+            "command": "python benchmarks/bench_coord.py --quick",
+            "date": "2026-12-03 12:00 UTC",
+            "uptime_before": "a",
+            "uptime_after": "b",
+            "machine": {"cpus": 2, "python": "3.11"},
+            "rows": rows,
+            "verdicts": v,
+        }
+    )
+    assert "| 4,096 | 120,000 | 29.3 |" in text
+    assert "4096-rank cycle under 50 ms: 120.0 ms, **not met**" in text
+
+
+def test_startup_summary_is_the_median_against_torchrun(bench: Any) -> None:
+    s = bench("bench_startup")
+
+    def run(system: str, first: float) -> dict[str, Any]:
+        return {"system": system, "ok": True} | {key: first for key, _ in s.COLUMNS}
+
+    rows = s.summarize(
+        [
+            run("flodl", 9.0),
+            run("flodl", 7.0),
+            run("flodl", 8.0),
+            run("torchrun_ddp", 4.0),
+            {"system": "torchrun_ddp", "ok": False, "error": "exit 1"},
+        ]
+    )
+    by = {r["system"]: r for r in rows}
+    assert by["flodl"]["first_step_s"] == 8.0 and by["flodl"]["repeats"] == 3
+    assert by["flodl"]["first_step_vs_torchrun"] == pytest.approx(2.0)
+    assert by["torchrun_ddp"]["repeats"] == 1
