@@ -29,6 +29,8 @@ __all__ = [
     "print_table",
     "write_json",
     "machine_info",
+    "add_markdown_option",
+    "run_line",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -169,3 +171,26 @@ def uptime() -> str:
         ).stdout.strip()
     except OSError:
         return "n/a"
+
+
+def add_markdown_option(parser: Any, default_json: str | os.PathLike[str]) -> None:
+    """``--markdown [JSON]``: print the script's docs/benchmarks.md section for a result file
+    (default ``default_json``) and exit."""
+    parser.add_argument(
+        "--markdown",
+        nargs="?",
+        const=str(default_json),
+        default=None,
+        metavar="JSON",
+        help="print the docs section for a result file and exit (default: %(const)s)",
+    )
+
+
+def run_line(data: dict[str, Any], detail: str = "") -> str:
+    """A docs section's first line: when it ran (``date``), ``detail``, and the load before and
+    after (``uptime``), all from the result file."""
+    extra = f", {detail}" if detail else ""
+    return (
+        f"Run {data['date']} (`date`){extra}. `uptime` before: `{data['uptime_before']}`; "
+        f"after: `{data['uptime_after']}`."
+    )

@@ -27,9 +27,11 @@ from typing import Any
 
 from _common import (
     RESULTS_DIR,
+    add_markdown_option,
     ensure_repo_on_path,
     machine_info,
     print_table,
+    run_line,
     uptime,
     write_json,
 )
@@ -135,8 +137,7 @@ def markdown(data: dict[str, Any]) -> str:
         f"## Coordinator cost per averaging cycle (`{data['command']}`)",
         "",
         (
-            f"Run {data['date']} (`date`). `uptime` before: `{data['uptime_before']}`; after: "
-            f"`{data['uptime_after']}`. Machine: {data['machine'].get('cpus', '?')} CPUs, Python "
+            f"{run_line(data)} Machine: {data['machine'].get('cpus', '?')} CPUs, Python "
             f"{data['machine'].get('python', '?')}."
         ),
         "",
@@ -181,14 +182,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cycles")
     parser.add_argument("--json", default=str(RESULTS_DIR / "bench_coord.json"))
-    parser.add_argument(
-        "--markdown",
-        nargs="?",
-        const=str(RESULTS_DIR / "bench_coord.json"),
-        default=None,
-        metavar="JSON",
-        help="print the docs section for a result file and exit (default: %(const)s)",
-    )
+    add_markdown_option(parser, RESULTS_DIR / "bench_coord.json")
     args = parser.parse_args()
     if args.markdown is not None:
         print(markdown(json.loads(Path(args.markdown).read_text())))

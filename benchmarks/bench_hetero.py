@@ -66,9 +66,11 @@ from typing import Any
 from _common import (
     REPO_ROOT,
     RESULTS_DIR,
+    add_markdown_option,
     ensure_repo_on_path,
     machine_info,
     print_table,
+    run_line,
     uptime,
     write_json,
 )
@@ -627,12 +629,12 @@ BREAKDOWN_HEADERS = [
 def markdown(data: dict[str, Any]) -> str:
     """The docs/benchmarks.md section for a result file (every figure from it)."""
     cfg = data["config"]
+    detail = f"{cfg['rounds']} round(s), {data['took_s']:.0f} s"
     lines = [
         f"## Heterogeneous ranks on realistic steps (`{data['command']}`)",
         "",
         (
-            f"Run {data['date']} (`date`), {cfg['rounds']} round(s), {data['took_s']:.0f} s. "
-            f"`uptime` before: `{data['uptime_before']}`; after: `{data['uptime_after']}`. "
+            f"{run_line(data, detail)} "
             f"Machine: {data['machine'].get('cpus', '?')} CPUs; torch {data['versions']['torch']}, "
             f"torchft {data['versions'].get('torchft') or 'absent'}."
         ),
@@ -713,14 +715,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "bench_hetero.json")
     p.add_argument("--keep", action="store_true", help="keep the per-run work directory")
-    p.add_argument(
-        "--markdown",
-        nargs="?",
-        const=str(RESULTS_DIR / "bench_hetero.json"),
-        default=None,
-        metavar="JSON",
-        help="print the docs section for a result file and exit (default: %(const)s)",
-    )
+    add_markdown_option(p, RESULTS_DIR / "bench_hetero.json")
     p.add_argument("--flodl-job", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.flodl_job is not None or args.markdown is not None:

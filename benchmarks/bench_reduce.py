@@ -65,10 +65,12 @@ from typing import Any
 
 from _common import (
     RESULTS_DIR,
+    add_markdown_option,
     best_of,
     ensure_repo_on_path,
     machine_info,
     print_table,
+    run_line,
     uptime,
     write_json,
 )
@@ -402,8 +404,7 @@ def markdown(data: dict[str, Any]) -> str:
         f"## CPU averaging round vs Gloo (`{data['command']}`)",
         "",
         (
-            f"Run {data['date']} (`date`), best of {data['reps']}. `uptime` before: "
-            f"`{data['uptime_before']}`; after: `{data['uptime_after']}`. "
+            f"{run_line(data, 'best of ' + str(data['reps']))} "
             f"Machine: {data['machine'].get('cpus', '?')} CPUs, torch {data['torch']}, "
             f"Python {data['python']}."
         ),
@@ -465,14 +466,7 @@ def main() -> None:
         "--lag-only", action="store_true", help="only the event-loop lag measurement"
     )
     parser.add_argument("--json", default=str(RESULTS_DIR / "bench_reduce.json"))
-    parser.add_argument(
-        "--markdown",
-        nargs="?",
-        const=str(RESULTS_DIR / "bench_reduce.json"),
-        default=None,
-        metavar="JSON",
-        help="print the docs section for a result file and exit (default: %(const)s)",
-    )
+    add_markdown_option(parser, RESULTS_DIR / "bench_reduce.json")
     args = parser.parse_args()
     if args.markdown is not None:
         print(markdown(json.loads(Path(args.markdown).read_text())))

@@ -40,9 +40,11 @@ from typing import Any
 
 from _common import (
     RESULTS_DIR,
+    add_markdown_option,
     ensure_repo_on_path,
     machine_info,
     print_table,
+    run_line,
     uptime,
     write_json,
 )
@@ -335,10 +337,7 @@ def markdown(data: dict[str, Any]) -> str:
     lines = [
         f"### Replay error on real runs (`{data['command']}`)",
         "",
-        (
-            f"Run {data['date']} (`date`), {data['total_s']:.0f} s. `uptime` before: "
-            f"`{data['uptime_before']}`; after: `{data['uptime_after']}`."
-        ),
+        (run_line(data, f"{data['total_s']:.0f} s")),
         "",
         (
             f"Each row is one real job: the demo task, {s['samples']:,} windows × {s['epochs']} "
@@ -403,14 +402,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=240.0, help="per job, seconds")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
     p.add_argument("--keep-records", default=None, metavar="DIR", help="copy each log here")
-    p.add_argument(
-        "--markdown",
-        nargs="?",
-        const=str(DEFAULT_JSON),
-        default=None,
-        metavar="JSON",
-        help="print the docs section for a result file and exit (default: %(const)s)",
-    )
+    add_markdown_option(p, DEFAULT_JSON)
     p.add_argument("--job", nargs=3, metavar=("MODE", "RIG", "DIR"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.mode_list = _csv(args.modes, list(MODES), "modes", p)

@@ -42,9 +42,11 @@ from typing import Any  # noqa: E402
 from _common import (  # noqa: E402
     REPO_ROOT,
     RESULTS_DIR,
+    add_markdown_option,
     ensure_repo_on_path,
     machine_info,
     print_table,
+    run_line,
     uptime,
     write_json,
 )
@@ -225,13 +227,13 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def markdown(data: dict[str, Any]) -> str:
+    """The docs/benchmarks.md section for a result file (every figure from it)."""
+    detail = f"{data['ranks']} CPU ranks, median of {data['repeat']} runs each, alternating order"
     lines = [
         f"## Start-up: launch → first step (`{data['command']}`)",
         "",
         (
-            f"Run {data['date']} (`date`), {data['ranks']} CPU ranks, median of {data['repeat']} "
-            f"runs each, alternating order. `uptime` before: `{data['uptime_before']}`; after: "
-            f"`{data['uptime_after']}`. The realistic model of `bench_hetero` (2.2 M "
+            f"{run_line(data, detail)} The realistic model of `bench_hetero` (2.2 M "
             "parameters). Times from the parent's launch; the parts are the last rank's to "
             "step: its interpreter up, `import torch`, the system's set-up (flodl: `import "
             "flodl` + the task; DDP: the task, `init_process_group` and the DDP constructor's "
@@ -260,14 +262,7 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "bench_startup.json")
-    p.add_argument(
-        "--markdown",
-        nargs="?",
-        const=str(RESULTS_DIR / "bench_startup.json"),
-        default=None,
-        metavar="JSON",
-        help="print the docs section for a result file and exit (default: %(const)s)",
-    )
+    add_markdown_option(p, RESULTS_DIR / "bench_startup.json")
     p.add_argument("--flodl-job", help=argparse.SUPPRESS)
     p.add_argument("--ddp-job", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -101,8 +101,11 @@ class CharMLP(nn.Module):
         return out
 
 
-def held_out_loss(model: nn.Module, held_out: tuple[Tensor, Tensor]) -> float:
-    """Mean next-character cross entropy of ``model`` over ``held_out`` (nats per character)."""
+def _sum_over_held_out(
+    model: nn.Module, held_out: tuple[Tensor, Tensor], per_chunk: Callable[[Tensor, Tensor], float]
+) -> float:
+    """``per_chunk(logits, targets)`` summed over ``held_out`` in chunks of 4096 windows, in eval
+    mode and without autograd, divided by the window count."""
     x, y = held_out
     device = next(model.parameters()).device
     was_training = model.training
@@ -110,10 +113,17 @@ def held_out_loss(model: nn.Module, held_out: tuple[Tensor, Tensor]) -> float:
     total = 0.0
     with torch.no_grad():
         for start in range(0, len(y), 4096):
-            logits = model(x[start : start + 4096].to(device))
-            total += float(F.cross_entropy(logits.cpu(), y[start : start + 4096], reduction="sum"))
+            logits = model(x[start : start + 4096].to(device)).cpu()
+            total += per_chunk(logits, y[start : start + 4096])
     model.train(was_training)
     return total / max(1, len(y))
+
+
+def held_out_loss(model: nn.Module, held_out: tuple[Tensor, Tensor]) -> float:
+    """Mean next-character cross entropy of ``model`` over ``held_out`` (nats per character)."""
+    return _sum_over_held_out(
+        model, held_out, lambda logits, y: float(F.cross_entropy(logits, y, reduction="sum"))
+    )
 
 
 @dataclass(frozen=True)
@@ -176,17 +186,9 @@ def _train_step(model: nn.Module, batch: Sequence[Tensor]) -> Tensor:
 
 
 def _eval_fn(model: nn.Module, held_out: tuple[Tensor, Tensor]) -> float:
-    x, y = held_out
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    correct = 0
-    with torch.no_grad():
-        for start in range(0, len(y), 4096):
-            logits = model(x[start : start + 4096].to(device))
-            correct += int((logits.argmax(1).cpu() == y[start : start + 4096]).sum())
-    model.train(was_training)
-    return correct / max(1, len(y))
+    return _sum_over_held_out(
+        model, held_out, lambda logits, y: float((logits.argmax(1) == y).sum())
+    )
 
 
 _BLOCK = 8192
