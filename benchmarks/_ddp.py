@@ -1,7 +1,6 @@
-"""The plain ``torch.nn.parallel.DistributedDataParallel`` baseline, and the step accounting
-every system of ``bench_hetero`` shares: both are the product's own lock-step runner
-(:mod:`flodl.demo.lockstep`, what ``flodl demo`` compares flodl with), re-exported here with
-the benchmarks' one slowed rank and one thread per rank.
+"""The step accounting every benchmark's systems share, re-exported from the product's own
+lock-step runner (:mod:`flodl.demo.lockstep`, whose ``run_lockstep`` is the DDP and local-SGD
+baseline), and the rank the two-rank benchmarks slow.
 
 :class:`TimedStep` applies the one slowdown method and counts the busy time the same way in
 every system (see :mod:`flodl.demo.lockstep`). Idle fraction = ``1 − busy / span``, where
@@ -10,9 +9,6 @@ any rank), also identical for every system.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
-from typing import Any
 
 from _common import ensure_repo_on_path
 
@@ -24,7 +20,6 @@ from flodl.demo.lockstep import (  # noqa: E402 - after the path fix
     equal_split,
     free_port,
     read_step_record,
-    run_lockstep,
 )
 
 __all__ = [
@@ -34,26 +29,7 @@ __all__ = [
     "read_step_record",
     "equal_split",
     "free_port",
-    "run_ddp",
 ]
 
 SLOW_RANK = 1
 """The rank (or replica) slowed in every system."""
-
-
-def run_ddp(cfg: dict[str, Any], out_dir: Path, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Train with DDP on Gloo: ``cfg`` has world, samples, seed, epochs, batch_size, factor,
-    step_per_forward; one thread per rank, rank :data:`SLOW_RANK` slowed ``factor``×. Returns
-    per-rank summaries plus ``metric`` and ``total_s`` (spawn to the last process's exit)."""
-    return run_lockstep(
-        world=int(cfg["world"]),
-        samples=int(cfg["samples"]),
-        seed=int(cfg["seed"]),
-        epochs=int(cfg["epochs"]),
-        batch_size=int(cfg["batch_size"]),
-        slow={SLOW_RANK: float(cfg["factor"])},
-        step_per_forward=float(cfg["step_per_forward"]),
-        threads=1,
-        out_dir=out_dir,
-        timeout_s=timeout_s,
-    )

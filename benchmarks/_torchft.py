@@ -163,6 +163,7 @@ def _replica(replica: int, cfg: dict[str, Any], lighthouse: str, out_dir: str) -
     model = task.model_factory("cpu")
     optim = task.optim_factory(model.parameters())
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    diloco = cfg.get("algorithm", "localsgd") == "diloco"
 
     def state_dict() -> dict[str, Any]:
         return {"model": model.state_dict(), "optim": optim.state_dict()}
@@ -186,7 +187,7 @@ def _replica(replica: int, cfg: dict[str, Any], lighthouse: str, out_dir: str) -
         # every replica builds the same seeded initial weights (demo model_factory)
         init_sync=False,
         # DiLoCo refuses the asynchronous quorum LocalSGD runs with by default
-        use_async_quorum=cfg.get("algorithm", "localsgd") != "diloco",
+        use_async_quorum=not diloco,
     )
 
     class QuorumSpy:
@@ -230,7 +231,6 @@ def _replica(replica: int, cfg: dict[str, Any], lighthouse: str, out_dir: str) -
 
     world = int(cfg["world"])
     forever = bool(cfg.get("forever", False))
-    diloco = cfg.get("algorithm", "localsgd") == "diloco"
 
     def train(algo: Any) -> None:
         _log(events, event="start")
