@@ -118,7 +118,9 @@ class Dispatch:
         self._barrier = self.traits.barrier_paced
         self.works: dict[int, EpochWork] = {}
         self.epoch_started_at: dict[int, float] = {}
-        self.final_plans: dict[int, tuple[int, list[int]]] = {}
+        self.final_plans: dict[int, tuple[int, list[int] | None]] = {}
+        """epoch → (cohort version, the final-window slots, or None: the window that version
+        opened is not the epoch's final one)."""
         self.next_epoch = 0
         self.last_aggregated = -1
         self.first_epoch = 0
@@ -129,6 +131,12 @@ class Dispatch:
         self.gate = CountGate(config.world_size)
         self._cohort_cache: tuple[list[int], list[bool], int] | None = None
         self._cohort_version = 0
+        self._calibrating = False
+        """ElChe has no measurement nor hint yet (cached with the cohort)."""
+        self._extends = self._barrier and self.progressive and self.traits.chunk_is_window
+        self._ext_cycle = -1
+        self._ext_holding: set[int] = set()
+        """Ranks holding a calibration extension in the window after cycle ``_ext_cycle``."""
         self._resume_epoch: int | None = None
         self._resume_uncovered: list[BatchRange] | None = None
         self.revoking: dict[tuple[int, int], list[BatchRange]] = {}
@@ -193,6 +201,7 @@ class Dispatch:
                 max(1, c) if a else 0 for c, a in zip(self.elche.batch_counts, alive, strict=True)
             ]
             self._cohort_cache = (counts, alive, sum(counts))
+            self._calibrating = not (self.elche.calibrated or self.elche.has_speed_hint())
         return self._cohort_cache
 
     def invalidate_cohort(self) -> None:
@@ -321,8 +330,11 @@ class Dispatch:
         counts, _, sum_counts = self.cohort()
         count = counts[rank]
         overshoot = self.max_overshoot if self.traits.overshoot else 0
+        extension = False
         if steps >= count + overshoot:
-            return None
+            if not self._may_extend(rank):
+                return None
+            extension = True
         work = self.first_unassigned()
         if work is None:
             if barrier or self.next_epoch >= self.config.total_epochs:
@@ -331,40 +343,74 @@ class Dispatch:
             if work.remaining() == 0:
                 return None
         final_slot = self._final_slot(work, rank) if barrier else None
-        size = chunk_batches(
-            barrier_paced=barrier,
-            count=count,
-            steps_in_window=steps,
-            remaining=work.remaining(),
-            sum_counts=sum_counts,
-            final_slot=final_slot,
-            max_overshoot=overshoot,
-            calibrated=self.elche.calibrated or self.elche.has_speed_hint(),
-            world_size=self.config.world_size,
-            total_batches=work.total_batches,
-        )
+        if extension:
+            # one batch at a time, and never into the epoch's final-window band: the pool
+            # keeps what the closing windows need
+            if final_slot is not None or work.remaining() <= sum_counts + self.config.world_size:
+                return None
+            size = 1
+        else:
+            size = chunk_batches(
+                barrier_paced=barrier,
+                count=count,
+                steps_in_window=steps,
+                remaining=work.remaining(),
+                sum_counts=sum_counts,
+                final_slot=final_slot,
+                max_overshoot=overshoot,
+                calibrated=self.elche.calibrated or self.elche.has_speed_hint(),
+                world_size=self.config.world_size,
+                total_batches=work.total_batches,
+            )
         if size <= 0:
             return None
         rng = work.take(rank, size)
         if rng is None:
             return None
+        if extension:
+            self._ext_holding.add(rank)
         self.refresh(rank)
-        if final_slot is not None:
-            self.final_plans[work.epoch][1][rank] = max(0, final_slot - rng.size)
+        slots = self.final_plans[work.epoch][1] if final_slot is not None else None
+        if slots is not None:
+            slots[rank] = max(0, slots[rank] - rng.size)
         return self.plan(work.epoch, rng)
 
+    def _may_extend(self, rank: int) -> bool:
+        """Whether ``rank``, done with its window's chunk, may train one more batch of it: the
+        calibration window only (Cadence, progressive, ElChe has no measurement yet, so every
+        rank was given the same count), and only while another rank still trains the chunk
+        it opened the window with — the fast ranks fill the wait for the slow one instead of
+        idling through it (docs/design.md §5, "Calibration fill"). O(1): the unsatisfied
+        ranks of the count gate are exactly the ranks holding work."""
+        if not self._extends:
+            return False
+        self.cohort()
+        if not self._calibrating:
+            return False
+        if self._ext_cycle != self.cycle.number:  # a new window: nobody is extending yet
+            self._ext_cycle = self.cycle.number
+            self._ext_holding.clear()
+        self.refresh(rank)  # its own flag may predate the batch that emptied its chunk
+        return self.gate.unsatisfied - len(self._ext_holding) > 0
+
     def _final_slot(self, work: EpochWork, rank: int) -> int | None:
+        """``rank``'s slot in the epoch's final window, or None when the window is not final.
+
+        Decided once per (epoch, cohort version) — a window, since every finalize bumps the
+        version — from the pool as the window's first chunk found it: a window that did not
+        start final stays so for the ranks that ask later, who get their full counts, instead
+        of a final plan computed from what the first ranks left (docs/design.md §5)."""
         counts, alive, sum_counts = self.cohort()
         key = self._cohort_version
         pinned = self.final_plans.get(work.epoch)
-        if pinned is None or pinned[0] != key:  # pinned once per (epoch, cohort version)
+        if pinned is None or pinned[0] != key:
             rem = work.remaining()
             # final_window_due() without its O(W) sum (Σ counts is cached with the cohort)
-            if not 0 < rem < sum_counts + self.config.world_size:
-                return None
-            pinned = (key, final_window_alloc(rem, counts, alive))
+            due = 0 < rem < sum_counts + self.config.world_size
+            pinned = (key, final_window_alloc(rem, counts, alive) if due else None)
             self.final_plans[work.epoch] = pinned
-        return pinned[1][rank]
+        slots = pinned[1]
+        return None if slots is None else slots[rank]
 
     # ------------------------------------------------------------------ batches, commits, deaths
     def on_batch(self, batch: Batch) -> None:
@@ -380,6 +426,8 @@ class Dispatch:
                 f"rank {rank} trained a batch of epoch {batch.epoch} it was not given", rank=rank
             )
         work.advance(rank)
+        if rank in self._ext_holding and self.in_flight(rank) == 0:
+            self._ext_holding.discard(rank)
 
     def commit(self, rank: int, snapshot: dict[int, int]) -> None:
         """Commit ``rank``'s work up to its snapshot (a finalized cycle folded it in)."""
@@ -392,6 +440,7 @@ class Dispatch:
         """Return the dead rank's uncommitted work: to the pool (progressive, or when the run
         is shutting down), else split among survivors with ``extend_partition``."""
         alive = self.membership.training()
+        self._ext_holding.discard(rank)
         for _, work in sorted(self.works.items()):
             returned = work.forfeit(rank)
             if not returned or self.progressive or not alive or not redistribute:

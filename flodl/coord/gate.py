@@ -54,6 +54,11 @@ class CountGate:
             self._moved_count -= 1
         self._sat[rank] = self._moved[rank] = False
 
+    @property
+    def unsatisfied(self) -> int:
+        """Live ranks not satisfied yet."""
+        return self._unsat
+
     def open(self, alive_count: int) -> bool:
         """Every live rank satisfied, at least one moved, at least one alive."""
         return self._unsat == 0 and self._moved_count > 0 and alive_count > 0

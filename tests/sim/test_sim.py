@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
+import re
 from typing import Any
 
 import pytest
@@ -226,10 +228,16 @@ def test_an_lr_cliff_from_the_schedule_halves_the_anchor() -> None:
     assert sorted(set(steady.anchors)) == steady.anchors  # grow-only without a cliff
     assert sorted(set(gentle.anchors)) == gentle.anchors  # a 20 % drop is not a cliff
     drops = [(a, b) for a, b in itertools.pairwise(cliff.anchors) if b < a]
-    assert drops == [(40, 20)]
-    assert [a[2] for a in cliff.alerts if a[1] == "drift"] == [
-        "LR meta-controller nudged the anchor down ×0.5 (LR cliff 0.1 → 0.01)"
-    ]
+    assert len(drops) == 1 and drops[0][0] > 20, drops  # once, from a grown window
+    nudges = [a[2] for a in cliff.alerts if a[1] == "drift"]
+    assert len(nudges) == 1, nudges
+    found = re.fullmatch(
+        r"LR meta-controller nudged the anchor down ×([0-9.]+) \(LR cliff 0\.1 → 0\.01\)", nudges[0]
+    )
+    assert found is not None, nudges
+    # the cliff's base factor 0.5, moved by the loss trend (flodl/coord/meta.py)
+    factor = float(found.group(1))
+    assert 0.4 < factor < 0.6 and drops[0][1] == math.ceil(drops[0][0] * factor)
     assert not [a for a in steady.alerts + gentle.alerts if a[1] == "drift"]
 
 

@@ -90,7 +90,8 @@ def test_totals_give_shares_and_the_window_record() -> None:
     [
         ("cpu_sync", 20_000, "evict"),
         ("nccl_sync", 20_000, "evict"),
-        ("cpu_cadence", 20_000, "evict"),  # calibration windows dominate a short run
+        # the slow rank's first window (the anchor's 10 batches at 60 ms) is most of a short run
+        ("cpu_cadence", 4_000, "evict"),
         ("cpu_cadence", 200_000, "keep"),
         ("nccl_cadence", 200_000, "keep"),
         ("cpu_async", 200_000, "keep"),
