@@ -358,7 +358,7 @@ class Dispatch:
                 sum_counts=sum_counts,
                 final_slot=final_slot,
                 max_overshoot=overshoot,
-                calibrated=self.elche.calibrated or self.elche.has_speed_hint(),
+                calibrated=not self._calibrating,  # cached with the cohort: O(1), not O(W)
                 world_size=self.config.world_size,
                 total_batches=work.total_batches,
             )

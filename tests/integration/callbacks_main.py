@@ -57,6 +57,12 @@ def main() -> None:
     p.add_argument("--max-failure-abs", type=int)
     p.add_argument("--crash-rank", type=int, default=-1)
     p.add_argument("--crash-step", type=int, default=0)
+    p.add_argument(
+        "--crash-after-epoch-fn",
+        action="store_true",
+        help="count --crash-step from the crash rank's first epoch_fn (an epoch it has not "
+        "finished, whatever its share of the epoch before)",
+    )
     p.add_argument("--crash-kill", action="store_true", help="crash by SIGKILL, not an exception")
     p.add_argument("--respawn", type=int, help="TrainerConfig.respawn")
     p.add_argument("--log-dir", required=True)
@@ -101,6 +107,7 @@ def main() -> None:
     held_y = (held_x @ w).argmax(dim=1)
     ids_file = open(logs / f"rank{me}.ids", "a", buffering=1) if me >= 0 else None  # noqa: SIM115
     steps = {"n": 0}
+    armed_at: list[int] = []  # the step of the crash rank's first epoch_fn
 
     def note(line: str) -> None:
         with open(logs / "callbacks.log", "a") as f:
@@ -109,7 +116,9 @@ def main() -> None:
     def forward_loss(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
         steps["n"] += 1
         first_incarnation = os.environ.get("FLODL_RESTART_COUNT", "0") == "0"
-        if me == args.crash_rank and steps["n"] == args.crash_step and first_incarnation:
+        counted = steps["n"] - (armed_at[0] if armed_at else 0)
+        armed = armed_at or not args.crash_after_epoch_fn
+        if me == args.crash_rank and armed and counted == args.crash_step and first_incarnation:
             if args.crash_kill:
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected failure on rank {me} at step {steps['n']}")
@@ -128,6 +137,8 @@ def main() -> None:
     def epoch_fn(epoch: int, model: torch.nn.Module) -> None:
         time.sleep(max(0.0, args.epoch_fn_sleep))
         note(f"EPOCHFN rank={me} epoch={epoch}")
+        if not armed_at:
+            armed_at.append(steps["n"])
 
     def checkpoint_fn(epoch: int, model: torch.nn.Module) -> None:
         if me == args.ckpt_fail_rank:

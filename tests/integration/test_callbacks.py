@@ -140,7 +140,8 @@ def test_killing_a_pinned_role_rank_moves_every_role_to_a_survivor(
         "a",
         *("--ranks", "3", "--epochs", "4", "--samples", "2048", "--policy", "2"),
         *("--eval", "--ckpt-fn", "--checkpoint-every", "1", "--epoch-fn-sleep", "0"),
-        *("--crash-rank", "2", "--crash-step", "30", "--slow", "0:3"),
+        # 5 steps after its epoch_fn of epoch 0: in epoch 1, however much of epoch 0 it trained
+        *("--crash-rank", "2", "--crash-after-epoch-fn", "--crash-step", "5", "--slow", "0:3"),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert done(out.stdout)["save_reason"] is None
