@@ -30,6 +30,7 @@ def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
         "bench_startup",
         "bench_recovery",
         "bench_replay",
+        "bench_wire",
         "_ddp",
         "_torchft",
         "benchmarks.__main__",
@@ -415,3 +416,65 @@ def test_startup_summary_is_the_median_against_torchrun(bench: Any) -> None:
     assert by["flodl"]["first_step_s"] == 8.0 and by["flodl"]["repeats"] == 3
     assert by["flodl"]["first_step_vs_torchrun"] == pytest.approx(2.0)
     assert by["torchrun_ddp"]["repeats"] == 1
+
+
+def test_wire_markdown_states_every_verdict_from_the_figures(bench: Any) -> None:
+    w = bench("bench_wire")
+    frame = {"wire_bytes": 52, "encode_us": 2.0, "decode_us": 3.0, "codec_round_trip_us": 5.0}
+    data = {
+        "command": "python benchmarks/bench_wire.py",
+        "date": "2026-12-03 12:00 UTC",
+        "uptime_before": "a",
+        "uptime_after": "b",
+        "machine": {"cpus": 2, "python": "3.11"},
+        "versions": {"msgpack": "1", "pydantic": "2", "uvloop": "0.2"},
+        "codec": {
+            "inner": 10,
+            "rounds": 3,
+            "target_ratio": 0.3,
+            "frames": {
+                "heartbeat": frame
+                | {
+                    "ratio": 0.13,
+                    "codec_round_trips_per_s": 2e5,
+                    "msgpack_round_trips_per_s": 1.5e6,
+                },
+                "batch": frame
+                | {"ratio": 0.31, "codec_round_trips_per_s": 1e5, "msgpack_round_trips_per_s": 3e5},
+            },
+        },
+        "loopback": {
+            "frames": 200_000,
+            "rounds": 3,
+            "loops": {
+                "uvloop": {"flodl_frames_per_s": 1.3e5, "raw_frames_per_s": 3.5e5, "ratio": 0.37}
+            },
+        },
+        "tensor": {
+            "mib": 64,
+            "reps": 5,
+            "torch": "2.13.0",
+            "threads": 2,
+            "target_decode_vs_memcpy": 0.5,
+            "rows": {
+                "f32": {
+                    "encode_gbps": 7.7,
+                    "decode_gbps": 5.7,
+                    "round_trip_gbps": 3.3,
+                    "memcpy_gbps": 22.0,
+                    "decode_vs_memcpy": 0.26,
+                    "mac_gbps": 15.4,
+                    "decode_vs_mac": 0.37,
+                }
+            },
+        },
+    }
+    text = w.markdown(data)
+    assert (
+        "| heartbeat | 52 | 200,000 | 1,500,000 | 0.13× | 5.00 (2.00 + 3.00) "
+        "| ≥ 0.3× — **not met** |" in text
+    )
+    assert "| batch |" in text and "≥ 0.3× — **met** |" in text
+    assert "| uvloop | 130,000 | 350,000 | 0.37× |" in text
+    assert "Target f32 decode ≥ 0.5× memcpy: **not met** (0.26×)" in text
+    assert "(200,000 frames, a heartbeat/batch mix, best of 3)" in text
