@@ -51,6 +51,12 @@ from flodl.errors import CollectiveFailed, FlodlError, LocalProtocolError
 _GATHER_POLL_S = 0.05
 """How often a member waiting for the others at a session's barrier looks again."""
 
+_HALF = (torch.float16, torch.bfloat16)
+"""Dtypes whose difference :func:`divergence` takes in float32."""
+
+_NORM_CHUNK = 4096
+"""Elements per partial norm in :func:`_square_sum`."""
+
 __all__ = ["Collective", "divergence"]
 
 logger = logging.getLogger(__name__)
@@ -598,7 +604,7 @@ def divergence(pre: Sequence[Tensor], post: Sequence[Tensor]) -> tuple[float, fl
 
     ``pre`` is a rank's parameters before the reduce, ``post`` the consensus after it. The ratio
     is ``0.0`` when ``‖post‖`` is 0 or the ratio is not finite (a frame cannot carry NaN).
-    Accumulates in float64 with one host synchronisation.
+    Sums of squares in float64 (see :func:`_square_sum`) with one host synchronisation.
 
     Raises:
         ValueError: the sequences differ in length or a pair differs in shape.
@@ -607,21 +613,38 @@ def divergence(pre: Sequence[Tensor], post: Sequence[Tensor]) -> tuple[float, fl
         raise ValueError(f"pre has {len(pre)} tensors, post has {len(post)}")
     if not pre:
         return (0.0, 0.0, 0.0)
-    diff_sq: list[Tensor] = []
-    pre_sq: list[Tensor] = []
-    post_sq: list[Tensor] = []
+    squares: list[Tensor] = []
     with torch.no_grad():
         for a, b in zip(pre, post, strict=True):
             if a.shape != b.shape:
                 raise ValueError(f"shape mismatch: {tuple(a.shape)} vs {tuple(b.shape)}")
-            a64 = a.detach().to(dtype=torch.float64)
-            b64 = b.detach().to(device=a64.device, dtype=torch.float64)
-            diff_sq.append((a64 - b64).square().sum())
-            pre_sq.append(a64.square().sum())
-            post_sq.append(b64.square().sum())
-        sums = torch.stack(
-            [torch.stack(diff_sq).sum(), torch.stack(pre_sq).sum(), torch.stack(post_sq).sum()]
-        )
-        diff2, pre2, post2 = (float(x) for x in sums.sqrt().tolist())
+            a = a.detach()
+            b = b.detach().to(device=a.device)
+            if a.dtype in _HALF or b.dtype in _HALF or a.dtype != b.dtype:
+                a, b = a.float(), b.float()  # the difference of two rounded values, unrounded
+            squares += (_square_sum(a - b), _square_sum(a), _square_sum(b))
+        per = torch.stack(squares).view(-1, 3).sum(dim=0).sqrt()
+        diff2, pre2, post2 = (float(x) for x in per.tolist())
     ratio = diff2 / post2 if post2 > 0.0 else 0.0
     return (ratio if math.isfinite(ratio) else 0.0, pre2, post2)
+
+
+def _square_sum(x: Tensor) -> Tensor:
+    """``Σ x²`` as a float64 scalar tensor, without a float64 copy of ``x``.
+
+    The norms of chunks of :data:`_NORM_CHUNK` elements are taken in ``x``'s dtype (each exact to
+    its rounding) and their squares summed in float64. A float64 copy of every tensor cost
+    30–150 ms a round in page faults on 2.2 M parameters, charged to the rank's step
+    (docs/design.md §2b); this costs a pass over the data. A chunk whose squares overflow the
+    dtype gives an infinite sum (the ratio is then reported as 0.0).
+    """
+    flat = x.reshape(-1)
+    whole = flat.numel() - flat.numel() % _NORM_CHUNK
+    parts = []
+    if whole:
+        parts.append(torch.linalg.vector_norm(flat[:whole].view(-1, _NORM_CHUNK), dim=1))
+    if whole < flat.numel():
+        parts.append(torch.linalg.vector_norm(flat[whole:]).reshape(1))
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=x.device)
+    return torch.cat(parts).to(torch.float64).square().sum()

@@ -516,3 +516,22 @@ def test_divergence_on_known_tensors() -> None:
         divergence(pre, post[:1])
     with pytest.raises(ValueError, match="shape"):
         divergence([torch.ones(2)], [torch.ones(3)])
+
+
+@pytest.mark.timeout(120)
+def test_divergence_is_accurate_on_long_tensors() -> None:
+    # float32 tensors long enough that a running float32 sum of squares drifts by ~1e-4: the
+    # norms agree with a float64 reference to ~1e-7
+    gen = torch.Generator().manual_seed(7)
+    pre = [torch.randn(1 << 21, generator=gen), torch.randn(3, 1000, generator=gen)]
+    post = [p + 1e-3 * torch.randn(p.shape, generator=gen) for p in pre]
+    pairs = zip(pre, post, strict=True)
+    ref = [
+        math.sqrt(sum(float(((a.double() - b.double()) ** 2).sum()) for a, b in pairs)),
+        math.sqrt(sum(float((a.double() ** 2).sum()) for a in pre)),
+        math.sqrt(sum(float((b.double() ** 2).sum()) for b in post)),
+    ]
+    d, pre_norm, post_norm = divergence(pre, post)
+    assert math.isclose(pre_norm, ref[1], rel_tol=1e-6)
+    assert math.isclose(post_norm, ref[2], rel_tol=1e-6)
+    assert math.isclose(d, ref[0] / ref[2], rel_tol=1e-6)
