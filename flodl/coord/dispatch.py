@@ -346,7 +346,7 @@ class Dispatch:
         if extension:
             # one batch at a time, and never into the epoch's final-window band: the pool
             # keeps what the closing windows need
-            if final_slot is not None or work.remaining() <= sum_counts + self.config.world_size:
+            if final_slot is not None or work.remaining() <= self._final_band():
                 return None
             size = 1
         else:
@@ -393,6 +393,11 @@ class Dispatch:
         self.refresh(rank)  # its own flag may predate the batch that emptied its chunk
         return self.gate.unsatisfied - len(self._ext_holding) > 0
 
+    def _final_band(self) -> int:
+        """The pool size below which an epoch's window is final: Σ counts + W, as
+        final_window_due() has it, without its O(W) sum (Σ counts is cached with the cohort)."""
+        return self.cohort()[2] + self.config.world_size
+
     def _final_slot(self, work: EpochWork, rank: int) -> int | None:
         """``rank``'s slot in the epoch's final window, or None when the window is not final.
 
@@ -400,13 +405,12 @@ class Dispatch:
         version — from the pool as the window's first chunk found it: a window that did not
         start final stays so for the ranks that ask later, who get their full counts, instead
         of a final plan computed from what the first ranks left (docs/design.md §5)."""
-        counts, alive, sum_counts = self.cohort()
+        counts, alive, _ = self.cohort()
         key = self._cohort_version
         pinned = self.final_plans.get(work.epoch)
         if pinned is None or pinned[0] != key:
             rem = work.remaining()
-            # final_window_due() without its O(W) sum (Σ counts is cached with the cohort)
-            due = 0 < rem < sum_counts + self.config.world_size
+            due = 0 < rem < self._final_band()
             pinned = (key, final_window_alloc(rem, counts, alive) if due else None)
             self.final_plans[work.epoch] = pinned
         slots = pinned[1]
