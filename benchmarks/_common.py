@@ -12,10 +12,13 @@ import json
 import math
 import os
 import platform
+import shlex
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,17 @@ __all__ = [
     "machine_info",
     "add_markdown_option",
     "run_line",
+    "RunStamp",
+    "package_versions",
+    "section_head",
+    "markdown_table",
+    "met_text",
+    "span_text",
+    "read_records",
+    "wait_for",
+    "median_stats",
+    "stats_cell",
+    "repeat_trials",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -194,3 +208,142 @@ def run_line(data: dict[str, Any], detail: str = "") -> str:
         f"Run {data['date']} (`date`){extra}. `uptime` before: `{data['uptime_before']}`; "
         f"after: `{data['uptime_after']}`."
     )
+
+
+class RunStamp:
+    """When, how and under what load a benchmark ran: taken as the run starts, closed by
+    :meth:`header` as it ends."""
+
+    def __init__(self, script: str, argv: Sequence[str]) -> None:
+        self.command = shlex.join(["python", f"benchmarks/{script}.py", *argv])
+        self.date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        self.uptime_before = uptime()
+        self.started = time.perf_counter()
+
+    def header(self, benchmark: str, *packages: str) -> dict[str, Any]:
+        """A result file's first keys: ``benchmark``, ``command`` (``python benchmarks/<script>.py
+        <args>``), ``date`` (UTC, at the start), ``uptime_before``/``uptime_after``, ``took_s``
+        (wall seconds since the start), ``machine`` and ``versions`` (of ``packages``)."""
+        return {
+            "benchmark": benchmark,
+            "command": self.command,
+            "date": self.date,
+            "uptime_before": self.uptime_before,
+            "uptime_after": uptime(),
+            "took_s": time.perf_counter() - self.started,
+            "machine": machine_info(),
+            "versions": package_versions(*packages),
+        }
+
+
+def package_versions(*names: str) -> dict[str, str | None]:
+    """Each installed distribution's version by name (None where it is not installed)."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def section_head(title: str, data: dict[str, Any], detail: str = "") -> list[str]:
+    """A generated docs section's opening lines: ``## <title> (`<command>`)``, a blank line, then
+    :func:`run_line` with the machine (CPUs, Python) and the ``versions`` of the result file."""
+    machine = data["machine"]
+    versions = ", ".join(f"{k} {v or 'absent'}" for k, v in data.get("versions", {}).items())
+    return [
+        f"## {title} (`{data['command']}`)",
+        "",
+        (
+            f"{run_line(data, detail)} Machine: {machine.get('cpus', '?')} CPUs, Python "
+            f"{machine.get('python', '?')}" + (f"; {versions}." if versions else ".")
+        ),
+    ]
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    """``rows`` under ``headers`` as the lines of a Markdown pipe table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def met_text(met: bool | None) -> str:
+    """A target's verdict in a docs section: ``**met**``, ``**not met**`` or ``n/a`` (None)."""
+    return "n/a" if met is None else ("**met**" if met else "**not met**")
+
+
+def span_text(values: Iterable[float | None], fmt: str = ".2f") -> str:
+    """The range of the values that are not None as ``lo–hi`` (one value when they are equal,
+    ``-`` when there is none)."""
+    got = [v for v in values if v is not None]
+    if not got:
+        return "-"
+    lo, hi = format(min(got), fmt), format(max(got), fmt)
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Every whole JSON record (an object with a ``ts``) of one JSONL file; a torn last line
+    is skipped, a missing file gives none."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "ts" in rec:
+            out.append(rec)
+    return out
+
+
+def wait_for(pred: Callable[[], Any], timeout_s: float, poll_s: float = 0.1) -> Any:
+    """``pred()``'s first truthy value, polled every ``poll_s`` for ``timeout_s``; None after."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(poll_s)
+    return None
+
+
+def median_stats(values: Iterable[float | None]) -> dict[str, Any]:
+    """``median``, ``min``, ``max`` and ``n`` of the values that are not None (None, 0 if none)."""
+    got = [v for v in values if v is not None]
+    if not got:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(got), "min": min(got), "max": max(got), "n": len(got)}
+
+
+def stats_cell(s: dict[str, Any], fmt: str = ".2f", scale: float = 1.0) -> str:
+    """A :func:`median_stats` result as ``median (min–max)`` (the median alone for one value,
+    ``-`` for none), each value multiplied by ``scale``."""
+    if s["median"] is None:
+        return "-"
+    med, lo, hi = (_unsigned_zero(format(s[k] * scale, fmt)) for k in ("median", "min", "max"))
+    return med if s["n"] == 1 else f"{med} ({lo}–{hi})"
+
+
+def _unsigned_zero(text: str) -> str:
+    """A formatted number without the sign of a value that rounds to zero (``-0`` → ``0``)."""
+    return text[1:] if text.startswith("-") and float(text) == 0.0 else text
+
+
+def repeat_trials(
+    label: str,
+    n: int,
+    trial: Callable[[], dict[str, Any]],
+    brief: Callable[[dict[str, Any]], str],
+    into: list[dict[str, Any]],
+) -> None:
+    """Run ``trial`` ``n`` times, appending each result to ``into`` and printing
+    ``  <label>: <brief(result)>`` as it comes."""
+    for _ in range(n):
+        result = trial()
+        into.append(result)
+        print(f"  {label}: {brief(result)}", flush=True)

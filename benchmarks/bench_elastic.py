@@ -3,19 +3,21 @@
 flodl, per mode (``cpu_sync``, ``cpu_cadence``, ``cpu_async``, ``nccl_sync``, ``nccl_cadence``;
 the ``nccl_*`` modes run on Gloo here): a 3-rank Trainer job on the demo task (as
 ``bench_recovery``) runs in a subprocess of this script with ``.respawn(1)``,
-``record_log(dir)`` and ``reports_per_epoch(1000)``, so every completed reduce leaves a root
-``node`` record (``syncs``, ``throughput``, wall-clock ``ts`` in ms) and one ``node`` record per
-rank of the same report (``steps``). Once training is warm (``--warm-syncs`` reduces and
-``--before-s`` seconds of reports), rank 1's process (found with ``ps`` by a tag argument and
-its ``FLODL_RANK``) gets ``SIGKILL``; the launcher respawns it (its stderr line "respawning it"
-is time-stamped here: the new process's start), the new process says hello, enters the next
-averaging cycle at weight 0 and then gets work. Measured from the record log:
+``record_log(dir)`` and ``reports_per_epoch(1000)``, so about every batch leaves a root ``node``
+record (``syncs``: completed reduces, ``throughput``, wall-clock ``ts`` in ms) and one ``node``
+record per rank of the same report (``steps`` since the report before). Once training is
+warm (``--warm-syncs`` reduces and ``--before-s`` seconds of reports), rank 1's process
+(found with ``ps`` by a tag argument and its ``FLODL_RANK``) gets ``SIGKILL``; the launcher
+respawns it (its stderr line "respawning it" is time-stamped here: the new process's start),
+the new process says hello, enters the next averaging cycle at weight 0 and then gets work.
+Measured from the record log:
 
 * ``t_fold``: the rejoined rank's hello (the ``rank_rejoined`` record's ``ts`` −
-  ``consensus_s``) → the first root report after that record whose ``root/rank1`` report has
-  ``steps > 0`` (the first averaging cycle that folds its work). Target: < 2 s + one averaging
-  window, the window being the median interval between root reports in the ``--before-s``
-  seconds before the kill;
+  ``consensus_s``) → the first completed reduce after the first report (after that record)
+  whose ``root/rank1`` report has ``steps > 0`` (the first averaging cycle that folds its
+  work). Target: < 2 s + one averaging window, the window being the median interval between
+  completed reduces (a report whose ``syncs`` rose) in the ``--before-s`` seconds before the
+  kill;
 * throughput (the root report's ``throughput``: each rank's samples per second of its busy
   time, compute + data, summed over ranks) averaged over the reports of the ``--before-s``
   seconds before the kill and of the ``--after-s`` seconds after the first folded cycle, and
@@ -43,12 +45,14 @@ sync (the first that averages its own local steps: flodl's fold).
 
     python benchmarks/bench_elastic.py [--quick] [--modes M,...] [--systems flodl,torchft]
         [--trials N] [--lighthouses cli,py]
+    python benchmarks/bench_elastic.py --markdown [JSON]   # the docs section, from the JSON
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -62,18 +66,28 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from _common import (
     REPO_ROOT,
     RESULTS_DIR,
+    RunStamp,
+    add_markdown_option,
     ensure_repo_on_path,
-    machine_info,
+    markdown_table,
+    median_stats,
+    met_text,
     print_table,
     processes_with,
     rank_pid,
+    read_records,
+    repeat_trials,
+    section_head,
+    span_text,
+    stats_cell,
+    wait_for,
     write_json,
 )
 
@@ -91,8 +105,9 @@ TORCHFT_VARIANTS = {
 }
 RESPAWN_LINE = "respawning it"
 """What flodl's launcher prints to stderr as it starts the new process of a failed rank."""
-PAIR_TOLERANCE_MS = 100.0
-"""A root report and a rank's report of the same reduce are written within this of each other."""
+PAIR_TOLERANCE_MS = 5.0
+"""A root report and a rank's report of the same report are written within this of each other
+(reports come about every batch, a few ms apart)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,20 +209,39 @@ def rejoined_record(
 def first_fold(
     tree: dict[str, list[dict[str, Any]]], rank: int, after_ms: float
 ) -> dict[str, Any] | None:
-    """The first root report at or after ``after_ms`` whose ``rank``'s report has steps > 0:
-    the first averaging cycle that folds that rank's work."""
+    """The first averaging cycle that folds ``rank``'s work after ``after_ms``: the first root
+    report whose ``syncs`` exceeds that of the first report (at or after ``after_ms``) in which
+    ``rank``'s report has steps > 0. Reports follow the batches (``reports_per_epoch``), so the
+    report that first shows its steps comes before the cycle that averages them."""
+    trained: int | None = None
     for root, mine in paired_reports(tree, rank):
-        if float(root["ts"]) < after_ms or mine is None:
+        if float(root["ts"]) < after_ms:
             continue
-        if float(mine["data"].get("steps") or 0) > 0:
+        syncs = int(root["data"]["syncs"])
+        if trained is None:
+            if mine is not None and float(mine["data"].get("steps") or 0) > 0:
+                trained = syncs
+        elif syncs > trained:
             return root
     return None
 
 
+def cycle_reports(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The root reports that open a new averaging cycle (``syncs`` above the report before):
+    one per completed reduce, at the first batch report after it."""
+    out, last = [], None
+    for r in reports:
+        syncs = int(r["data"]["syncs"])
+        if last is not None and syncs > last:
+            out.append(r)
+        last = syncs
+    return out
+
+
 def averaging_window_s(reports: Sequence[dict[str, Any]], lo_ms: float, hi_ms: float) -> float:
-    """Median interval (s) between consecutive root reports with ``lo_ms <= ts < hi_ms``
-    (NaN with fewer than two)."""
-    ts = [float(r["ts"]) for r in reports if lo_ms <= float(r["ts"]) < hi_ms]
+    """Median interval (s) between consecutive completed reduces (:func:`cycle_reports`) with
+    ``lo_ms <= ts < hi_ms`` (NaN with fewer than two)."""
+    ts = [float(r["ts"]) for r in cycle_reports(reports) if lo_ms <= float(r["ts"]) < hi_ms]
     gaps = [(b - a) / 1000.0 for a, b in itertools.pairwise(ts)]
     return statistics.median(gaps) if gaps else float("nan")
 
@@ -389,23 +423,6 @@ def analyse_torchft(events: Sequence[dict[str, Any]], t_start_ms: float) -> dict
 # ---------------------------------------------------------------------------------------------
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    """Every whole JSON record of one JSONL file (a torn last line is skipped)."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return []
-    out = []
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and "ts" in rec:
-            out.append(rec)
-    return out
-
-
 def _tree(records: Path) -> dict[str, list[dict[str, Any]]]:
     from flodl.monitor.records import read_tree
 
@@ -446,16 +463,6 @@ class _Follow:
                 if isinstance(rec, dict) and "ts" in rec:
                     self.records.append(rec)
         return self.records
-
-
-def _wait(pred: Any, timeout_s: float, poll_s: float = 0.1) -> Any:
-    deadline = time.perf_counter() + timeout_s
-    while time.perf_counter() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(poll_s)
-    return None
 
 
 class _Output:
@@ -530,7 +537,7 @@ def flodl_trial(mode: str, args: argparse.Namespace, work: Path) -> dict[str, An
             span = (float(reports[-1]["ts"]) - float(reports[0]["ts"])) / 1000.0
             return span if span >= args.before_s + 1.0 else None
 
-        if not _wait(warm, args.start_timeout):
+        if not wait_for(warm, args.start_timeout):
             raise RuntimeError(
                 f"no {args.warm_syncs} reduces and {args.before_s + 1:.0f} s of reports within "
                 f"{args.start_timeout:.0f} s"
@@ -540,7 +547,11 @@ def flodl_trial(mode: str, args: argparse.Namespace, work: Path) -> dict[str, An
             raise RuntimeError(f"rank {VICTIM}'s process not found")
         t_kill = time.time() * 1000.0
         os.kill(victim, signal.SIGKILL)
-        if not _wait(lambda: rejoined_record(tree(), VICTIM, after_ms=t_kill), args.rejoin_timeout):
+
+        def rejoined() -> Any:
+            return rejoined_record(tree(), VICTIM, after_ms=t_kill)
+
+        if not wait_for(rejoined, args.rejoin_timeout):
             raise RuntimeError(
                 f"rank {VICTIM} did not rejoin (no rank_rejoined record) within "
                 f"{args.rejoin_timeout:.0f} s of the kill"
@@ -551,12 +562,12 @@ def flodl_trial(mode: str, args: argparse.Namespace, work: Path) -> dict[str, An
             rec = rejoined_record(now, VICTIM, after_ms=t_kill)
             return None if rec is None else first_fold(now, VICTIM, float(rec["ts"]))
 
-        fold = _wait(folded, 30.0)
+        fold = wait_for(folded, 30.0)
         if fold is None:
             raise RuntimeError("no averaging cycle folded the rejoined rank's work within 30 s")
         fold_ms = float(fold["ts"])
         # the after-window: --after-s seconds of reports past the fold (or what came by then)
-        _wait(
+        wait_for(
             lambda: any(
                 float(r["ts"]) >= fold_ms + 1000.0 * args.after_s for r in root_reports(tree())
             ),
@@ -602,7 +613,7 @@ def _stop_job(proc: subprocess.Popen[bytes], tag: str) -> int:
         proc.wait()
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    left = _wait(lambda: not processes_with(tag), 5.0)
+    left = wait_for(lambda: not processes_with(tag), 5.0)
     stragglers = [] if left else processes_with(tag)
     for pid in stragglers:
         with contextlib.suppress(ProcessLookupError):
@@ -639,11 +650,11 @@ def torchft_trial(args: argparse.Namespace, work: Path, cli: bool) -> dict[str, 
 
             def warm() -> bool:
                 return all(
-                    sum(1 for e in _records(out / f"replica{r}.log") if e.get("committed")) >= 3
+                    sum(1 for e in read_records(out / f"replica{r}.log") if e.get("committed")) >= 3
                     for r in range(WORLD)
                 )
 
-            if not _wait(warm, args.start_timeout):
+            if not wait_for(warm, args.start_timeout):
                 raise RuntimeError(f"torchft: no 3 commits within {args.start_timeout:.0f} s")
             t_kill = time.time() * 1000.0
             old = ctx.processes[VICTIM]
@@ -654,17 +665,17 @@ def torchft_trial(args: argparse.Namespace, work: Path, cli: bool) -> dict[str, 
             log = out / f"replica{VICTIM}.log"
 
             def done() -> bool:
-                got = analyse_torchft(_records(log), t_start)
+                got = analyse_torchft(read_records(log), t_start)
                 return got["start_to_fold_s"] is not None
 
-            _wait(done, args.torchft_cap, poll_s=0.1)
-            got = analyse_torchft(_records(log), t_start)
+            wait_for(done, args.torchft_cap, poll_s=0.1)
+            got = analyse_torchft(read_records(log), t_start)
             result |= {"ok": got["start_to_consensus_s"] is not None, **got}
             if got["start_to_first_quorum_s"] is not None:
                 until = t_start + 1000.0 * got["start_to_first_quorum_s"]
                 result["syncs_while_down"] = sum(
                     1
-                    for e in _records(out / "replica0.log")
+                    for e in read_records(out / "replica0.log")
                     if e.get("event") == "commit"
                     and e.get("committed")
                     and t_kill < e["ts"] < until
@@ -717,6 +728,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--torchft-cap", type=float, default=90.0, help="give up on torchft's rejoin after"
     )
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "bench_elastic.json")
+    add_markdown_option(p, RESULTS_DIR / "bench_elastic.json")
     p.add_argument("--keep", action="store_true", help="keep the record logs (prints where)")
     p.add_argument("--flodl-job", help=argparse.SUPPRESS)
     p.add_argument("--tag", help=argparse.SUPPRESS)
@@ -739,21 +751,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if set(args.lighthouse_list) - set(TORCHFT_VARIANTS):
         p.error("--lighthouses: a subset of cli,py")
     return args
-
-
-def _stats(values: Sequence[float | None]) -> dict[str, Any]:
-    got = [v for v in values if v is not None]
-    if not got:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    return {"median": statistics.median(got), "min": min(got), "max": max(got), "n": len(got)}
-
-
-def _cell(s: dict[str, Any], fmt: str = ".2f") -> str:
-    if s["median"] is None:
-        return "-"
-    if s["n"] == 1:
-        return format(s["median"], fmt)
-    return f"{s['median']:{fmt}} ({s['min']:{fmt}}–{s['max']:{fmt}})"
 
 
 FLODL_FIELDS = (
@@ -818,7 +815,7 @@ def summarize(trials: Sequence[dict[str, Any]], mode_list: Sequence[str]) -> lis
             key: which,
             "trials": len(ts),
             "ok": len(good),
-            **{f: _stats([t.get(f) for t in good]) for f in fields},
+            **{f: median_stats([t.get(f) for t in good]) for f in fields},
             "orphans": sum(int(t.get("orphans") or 0) for t in ts),
             "errors": [t["error"] for t in ts if not t.get("ok") and "error" in t],
         }
@@ -830,14 +827,52 @@ def summarize(trials: Sequence[dict[str, Any]], mode_list: Sequence[str]) -> lis
     return rows
 
 
+def report(
+    args: argparse.Namespace,
+    trials: list[dict[str, Any]],
+    reason: str | None,
+    header: dict[str, Any],
+) -> dict[str, Any]:
+    """The result file: ``header`` (:meth:`RunStamp.header`), the settings, why torchft could not
+    run (``reason``), the summary rows of ``trials`` and every trial."""
+    return {
+        **header,
+        "quick": args.quick,
+        "config": {
+            "world": WORLD,
+            "victim": VICTIM,
+            "modes": args.mode_list,
+            "trials": args.trials,
+            "warm_syncs": args.warm_syncs,
+            "before_s": args.before_s,
+            "after_s": args.after_s,
+            "samples": args.samples,
+            "batch_size": args.batch_size,
+            "threads_per_process": 1,
+            "slowdown": 1.0,
+            "torchft_sync_every": TORCHFT_SYNC_EVERY,
+            "torchft_lighthouses": args.lighthouse_list,
+            "target_fold_s": TARGET_FOLD_S,
+        },
+        "torchft": {"available": reason is None, "reason": reason},
+        "rows": summarize(trials, args.mode_list if "flodl" in args.system_list else []),
+        "trials": trials,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    raw = sys.argv[1:] if argv is None else argv
+    args = parse_args(raw)
     if args.flodl_job is not None:
         flodl_job(args.flodl_job)
         return 0
+    if args.markdown is not None:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
 
-    from _torchft import torchft_version, unavailable
+    from _torchft import unavailable
 
+    stamp = RunStamp("bench_elastic", raw)
     reason = unavailable() if "torchft" in args.system_list else "not selected"
     print(
         f"bench_elastic: {WORLD} ranks, rank {VICTIM} SIGKILLed after {args.warm_syncs} reduces "
@@ -846,14 +881,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     work = Path(tempfile.mkdtemp(prefix="bench_elastic-"))
     trials: list[dict[str, Any]] = []
-    t_start = time.perf_counter()
     try:
         if "flodl" in args.system_list:
             for mode in args.mode_list:
-                for _ in range(args.trials):
-                    r = flodl_trial(mode, args, work)
-                    trials.append(r)
-                    print(f"  flodl {mode}: {_brief(r)}", flush=True)
+                run = functools.partial(flodl_trial, mode, args, work)
+                repeat_trials(f"flodl {mode}", args.trials, run, _brief, trials)
         if "torchft" in args.system_list:
             for variant in args.lighthouse_list:
                 if reason is not None:
@@ -862,115 +894,103 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     print(f"  torchft ({variant}): cannot run here: {reason}")
                     continue
-                for _ in range(max(1, min(args.trials, 2))):
-                    r = torchft_trial(args, work, cli=variant == "cli")
-                    trials.append(r)
-                    print(f"  torchft ({variant}): {_brief(r)}", flush=True)
+                run = functools.partial(torchft_trial, args, work, cli=variant == "cli")
+                label = f"torchft ({variant})"
+                repeat_trials(label, max(1, min(args.trials, 2)), run, _brief, trials)
     finally:
         if args.keep:
             print(f"  record logs kept in {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
 
-    rows = summarize(trials, args.mode_list if "flodl" in args.system_list else [])
-    print_tables(rows)
-    print(f"bench_elastic took {time.perf_counter() - t_start:.0f} s")
-    path = write_json(
-        args.json,
-        {
-            "benchmark": "bench_elastic",
-            "quick": args.quick,
-            "machine": machine_info(),
-            "versions": {"torch": _torch_version(), "torchft": torchft_version()},
-            "config": {
-                "world": WORLD,
-                "victim": VICTIM,
-                "modes": args.mode_list,
-                "trials": args.trials,
-                "warm_syncs": args.warm_syncs,
-                "before_s": args.before_s,
-                "after_s": args.after_s,
-                "samples": args.samples,
-                "batch_size": args.batch_size,
-                "threads_per_process": 1,
-                "slowdown": 1.0,
-                "torchft_sync_every": TORCHFT_SYNC_EVERY,
-                "torchft_lighthouses": args.lighthouse_list,
-                "target_fold_s": TARGET_FOLD_S,
-            },
-            "torchft": {"available": reason is None, "reason": reason},
-            "rows": rows,
-            "trials": trials,
-        },
-    )
+    data = report(args, trials, reason, stamp.header("bench_elastic", "torch", "torchft"))
+    print_tables(data["rows"])
+    print(f"bench_elastic took {data['took_s']:.0f} s")
+    path = write_json(args.json, data)
     print(f"wrote {path}")
     return 0
 
 
-def print_tables(rows: Sequence[dict[str, Any]]) -> None:
+FLODL_HEADERS = (
+    "mode",
+    "ok",
+    "down s",
+    "consensus s",
+    "t_fold s",
+    "window s",
+    "target s",
+    "",
+    "dispatch",
+    "epoch s",
+    "consensus→next epoch s",
+    "thr before",
+    "thr after",
+    "after/before",
+    "wall after/before",
+    "note",
+)
+RESTART_HEADERS = (
+    "system",
+    "ok",
+    "flodl imported",
+    "task built",
+    "up",
+    "1st quorum",
+    "has the state",
+    "own work folded",
+    "survivor syncs",
+    "note",
+)
+
+
+def _note(r: dict[str, Any]) -> str:
+    """A summary row's note: its first failure (one line) and the orphans killed, if any."""
+    note = f"failed: {' '.join(r['errors'][0].split())[:90]}" if r["errors"] else ""
+    if r["orphans"]:
+        note = (note + "; " if note else "") + f"{r['orphans']} orphan(s) killed"
+    return note
+
+
+def flodl_table(
+    rows: Sequence[dict[str, Any]], verdict: Callable[[bool | None], str]
+) -> list[list[str]]:
+    """The cells of the flodl rejoin table (:data:`FLODL_HEADERS`), one row per flodl mode;
+    ``verdict`` words a row's ``met``."""
+    return [
+        [
+            r["mode"],
+            f"{r['ok']}/{r['trials']}",
+            stats_cell(r["down_s"]),
+            stats_cell(r["consensus_s"]),
+            stats_cell(r["t_fold_s"]),
+            stats_cell(r["window_s"]),
+            stats_cell(r["target_s"]),
+            verdict(r["met"] if r["ok"] else None),
+            r["dispatch"],
+            stats_cell(r["epoch_s"]),
+            stats_cell(r["consensus_to_next_epoch_s"]),
+            stats_cell(r["throughput_before"], ".0f"),
+            stats_cell(r["throughput_after"], ".0f"),
+            stats_cell(r["throughput_ratio"]),
+            stats_cell(r["wall_throughput_ratio"]),
+            _note(r),
+        ]
+        for r in rows
+        if r["system"] == "flodl"
+    ]
+
+
+def restart_table(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """The cells of the restart → rejoin table (:data:`RESTART_HEADERS`), one row per flodl
+    mode and torchft lighthouse."""
     table = []
     for r in rows:
-        if r["system"] != "flodl":
-            continue
-        verdict = "met" if r["met"] else "NOT met"
-        note = f"failed: {r['errors'][0][:90]}" if r["errors"] else ""
-        if r["orphans"]:
-            note = (note + "; " if note else "") + f"{r['orphans']} orphan(s) killed"
-        table.append(
-            [
-                r["mode"],
-                f"{r['ok']}/{r['trials']}",
-                _cell(r["down_s"]),
-                _cell(r["consensus_s"]),
-                _cell(r["t_fold_s"]),
-                _cell(r["window_s"]),
-                _cell(r["target_s"]),
-                verdict if r["ok"] else "-",
-                r["dispatch"],
-                _cell(r["epoch_s"]),
-                _cell(r["consensus_to_next_epoch_s"]),
-                _cell(r["throughput_before"], ".0f"),
-                _cell(r["throughput_after"], ".0f"),
-                _cell(r["throughput_ratio"]),
-                _cell(r["wall_throughput_ratio"]),
-                note,
-            ]
-        )
-    if table:
-        print_table(
-            "flodl rejoin (s; samples/s): median (min–max) over trials; t_fold = hello → first "
-            "cycle folding its steps, target = 2 s + window (median reduce interval before the "
-            "kill); thr = the reports' throughput (samples/s of busy time, summed over ranks), "
-            "wall = their steps × batch / elapsed time",
-            [
-                "mode",
-                "ok",
-                "down s",
-                "consensus s",
-                "t_fold s",
-                "window s",
-                "target s",
-                "",
-                "dispatch",
-                "epoch s",
-                "consensus→next epoch s",
-                "thr before",
-                "thr after",
-                "after/before",
-                "wall after/before",
-                "note",
-            ],
-            table,
-        )
-    table = []
-    for r in rows:
-        note = f"failed: {r['errors'][0][:90]}" if r["errors"] else ""
         if r["system"] == "flodl":
             cells = [
                 f"flodl {r['mode']}",
-                _cell(r["start_to_imports_s"]),
-                _cell(r["start_to_task_s"]),
-                _cell(r["start_to_hello_s"]),
+                stats_cell(r["start_to_imports_s"]),
+                stats_cell(r["start_to_task_s"]),
+                stats_cell(r["start_to_hello_s"]),
                 "-",
             ]
         else:
@@ -978,19 +998,34 @@ def print_tables(rows: Sequence[dict[str, Any]]) -> None:
                 TORCHFT_VARIANTS[r["variant"]],
                 "-",
                 "-",
-                _cell(r["start_to_ready_s"]),
-                _cell(r["start_to_first_quorum_s"]),
+                stats_cell(r["start_to_ready_s"]),
+                stats_cell(r["start_to_first_quorum_s"]),
             ]
         table.append(
             [
                 cells[0],
                 f"{r['ok']}/{r['trials']}",
                 *cells[1:],
-                _cell(r["start_to_consensus_s"]),
-                _cell(r["start_to_fold_s"]),
-                _cell(r["syncs_while_down"], ".0f"),
-                note,
+                stats_cell(r["start_to_consensus_s"]),
+                stats_cell(r["start_to_fold_s"]),
+                stats_cell(r["syncs_while_down"], ".0f"),
+                _note(r),
             ]
+        )
+    return table
+
+
+def print_tables(rows: Sequence[dict[str, Any]]) -> None:
+    """Print the summary rows as the two terminal tables."""
+    table = flodl_table(rows, lambda met: "-" if met is None else ("met" if met else "NOT met"))
+    if table:
+        print_table(
+            "flodl rejoin (s; samples/s): median (min–max) over trials; t_fold = hello → first "
+            "cycle folding its steps, target = 2 s + window (median reduce interval before the "
+            "kill); thr = the reports' throughput (samples/s of busy time, summed over ranks), "
+            "wall = their steps × batch / elapsed time",
+            FLODL_HEADERS,
+            table,
         )
     print_table(
         "restart → rejoin, s from the new process's start: median (min–max) over trials\n"
@@ -1000,29 +1035,155 @@ def print_tables(rows: Sequence[dict[str, Any]]) -> None:
         "from a peer); own work = the next one\n"
         "  survivor syncs = reduces the others completed between the kill and the victim's "
         "hello (flodl) / first quorum (torchft)",
-        [
-            "system",
-            "ok",
-            "flodl imported",
-            "task built",
-            "up",
-            "1st quorum",
-            "has the state",
-            "own work folded",
-            "survivor syncs",
-            "note",
-        ],
-        table,
+        RESTART_HEADERS,
+        restart_table(rows),
     )
 
 
-def _torch_version() -> str | None:
-    try:
-        from importlib.metadata import version
+def _medians(rows: Sequence[dict[str, Any]], field: str) -> list[float | None]:
+    """Each row's median of ``field`` (None where no trial had it)."""
+    return [r[field]["median"] for r in rows]
 
-        return version("torch")
-    except Exception:  # noqa: BLE001 - reported as unknown
-        return None
+
+def _gaps(rows: Sequence[dict[str, Any]], a: str, b: str) -> list[float | None]:
+    """Per row, the median of ``b`` minus the median of ``a`` (None where either is missing)."""
+    return [
+        None if x is None or y is None else y - x
+        for x, y in zip(_medians(rows, a), _medians(rows, b), strict=True)
+    ]
+
+
+def _fold_bullet(
+    flodl: Sequence[dict[str, Any]], trials: Sequence[dict[str, Any]], target_fold_s: float
+) -> str:
+    """The bullet that states the t_fold target's verdict over the modes (``target_fold_s``
+    plus a window) and each mode's worst trial against that trial's own target."""
+    worst = []
+    for r in flodl:
+        good = [
+            t for t in trials if t["system"] == "flodl" and t["mode"] == r["mode"] and t.get("ok")
+        ]
+        t = max(good, key=lambda t: t["t_fold_s"], default=None)
+        if t is not None:
+            target = "no target" if t["target_s"] is None else f"target {t['target_s']:.2f} s"
+            worst.append(f"{r['mode']} {t['t_fold_s']:.2f} s ({target})")
+    met = [r for r in flodl if r["met"]]
+    missed = [r["mode"] for r in flodl if not r["met"]]
+    return (
+        f"- **t_fold < {target_fold_s:g} s + one window**: {met_text(len(met) == len(flodl))}: "
+        f"{len(met)} of {len(flodl)} modes had every finished trial within its own target"
+        + (f" (not: {', '.join(missed)})" if missed else "")
+        + f". Worst trial per mode: {'; '.join(worst) or 'none finished'}."
+    )
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """The docs/benchmarks.md section for a result file (every figure from it)."""
+    cfg = data["config"]
+    rows = data["rows"]
+    flodl = [r for r in rows if r["system"] == "flodl"]
+    torchft = [r for r in rows if r["system"] == "torchft"]
+    setup = (
+        f"Per mode, {cfg['world']} ranks train the demo task ({cfg['samples']:,} windows, batch "
+        f"{cfg['batch_size']}, {cfg['threads_per_process']} thread per rank, slowdown "
+        f"{cfg['slowdown']:g}) with `.respawn(1)`. Rank {cfg['victim']} is SIGKILLed after "
+        f"{cfg['warm_syncs']} reduces and {cfg['before_s'] + 1:g} s of reports; the launcher "
+        "restarts it, and the new process says hello and rejoins. "
+        f"Each mode ran {cfg['trials']} trial(s). `t_fold` runs from the rejoined rank's hello to "
+        f"the first reduce completed after its first trained batch (the first root report "
+        f"whose `syncs` exceeds that of the first report where `root/rank{cfg['victim']}` has "
+        f"`steps > 0`); the target is `t_fold` < {cfg['target_fold_s']:g} s + one averaging "
+        "window (the median interval between completed reduces in the "
+        f"{cfg['before_s']:g} s before the kill). `thr` is "
+        "the root reports' `throughput` (each rank's samples per second of busy time, summed), "
+        "`wall` their `steps` × batch over the elapsed time, both averaged over the reports in "
+        f"the {cfg['before_s']:g} s before the kill and the {cfg['after_s']:g} s after the first "
+        "folded cycle. Restart times are from the launcher's `respawning it` line."
+    )
+    if torchft:
+        setup += (
+            f" torchft: `LocalSGD(sync_every={cfg['torchft_sync_every']})`, "
+            f"`min_replica_size={cfg['world'] - 1}`, one lighthouse at its defaults; replica "
+            f"{cfg['victim']} is SIGKILLed and a new process for it started once the old one is "
+            "reaped. Up: its Manager is built; has the state: its first committed sync, in the "
+            "quorum where it heals from a peer; own work: the next committed sync."
+        )
+    lines = [
+        *section_head("Rejoin after a respawn", data, f"{data['took_s']:.0f} s"),
+        "",
+        setup,
+        "",
+    ]
+    if flodl:
+        headers = [h or "verdict" for h in FLODL_HEADERS]
+        lines += [
+            "flodl rejoin, s and samples/s, median (min–max) over trials:",
+            "",
+            *markdown_table(headers, flodl_table(rows, met_text)),
+            "",
+        ]
+    lines += [
+        (
+            "Restart → rejoin, s from the new process's start, median (min–max) over trials "
+            "(survivor syncs: reduces the others completed between the kill and the victim's "
+            "hello for flodl, its first quorum for torchft):"
+        ),
+        "",
+        *markdown_table(RESTART_HEADERS, restart_table(rows)),
+    ]
+    bullets = []
+    if flodl:
+        good = [t for t in data["trials"] if t["system"] == "flodl" and t.get("ok")]
+        ratios = [t.get(k) for t in good for k in ("throughput_ratio", "wall_throughput_ratio")]
+        partitions = [r for r in flodl if r["dispatch"] == "epoch partitions"]
+        bullets += [
+            _fold_bullet(flodl, data["trials"], cfg["target_fold_s"]),
+            (
+                "- **Throughput after / before:** medians "
+                f"{span_text(_medians(flodl, 'throughput_ratio'))} (`thr`) and "
+                f"{span_text(_medians(flodl, 'wall_throughput_ratio'))} (`wall`) over the modes; "
+                f"single trials {span_text(ratios)}."
+            ),
+            (
+                "- **flodl's restart, medians per mode:** flodl imported at "
+                f"{span_text(_medians(flodl, 'start_to_imports_s'))} s, the task built "
+                f"{span_text(_gaps(flodl, 'start_to_imports_s', 'start_to_task_s'))} s later, "
+                f"the hello {span_text(_gaps(flodl, 'start_to_task_s', 'start_to_hello_s'))} s "
+                f"after that, the consensus {span_text(_medians(flodl, 'consensus_s'))} s after "
+                "the hello. Survivor reduces while it was down: "
+                f"{span_text(_medians(flodl, 'syncs_while_down'), '.0f')}."
+            ),
+        ]
+        if partitions:
+            bullets.append(
+                "- Epoch-partition modes "
+                f"({', '.join(r['mode'] for r in partitions)}): consensus → next epoch boundary "
+                f"{span_text(_medians(partitions, 'consensus_to_next_epoch_s'))} s (median per "
+                "mode), against a `t_fold` of "
+                f"{span_text(_medians(partitions, 't_fold_s'))} s."
+            )
+    for r in torchft:
+        label = TORCHFT_VARIANTS[r["variant"]]
+        healed = r["start_to_consensus_s"]["median"]
+        if healed is None:
+            continue
+        mine = [v for v in _medians(flodl, "start_to_consensus_s") if v is not None]
+        before = sum(1 for v in mine if v < healed)
+        bullets.append(
+            f"- **Restart → has the state:** {label} {healed:.2f} s, flodl "
+            f"{span_text(mine)} s (median per mode); flodl had it first in {before} of "
+            f"{len(mine)} modes. Restart → own work folded: {label} "
+            f"{stats_cell(r['start_to_fold_s'])} s, flodl "
+            f"{span_text(_medians(flodl, 'start_to_fold_s'))} s. Survivor commits while it was "
+            f"down: {stats_cell(r['syncs_while_down'], '.0f')}."
+        )
+    failed = [r for r in rows if r["errors"]]
+    bullets += [
+        f"- {r.get('mode') or TORCHFT_VARIANTS[r['variant']]}: {len(r['errors'])} of "
+        f"{r['trials']} trial(s) failed; the first: {' '.join(r['errors'][0].split())[:200]}"
+        for r in failed
+    ]
+    return "\n".join(lines + (["", *bullets] if bullets else []))
 
 
 def _brief(r: dict[str, Any]) -> str:

@@ -69,6 +69,7 @@ from _common import (
     add_markdown_option,
     ensure_repo_on_path,
     machine_info,
+    markdown_table,
     print_table,
     run_line,
     uptime,
@@ -653,12 +654,19 @@ def markdown(data: dict[str, Any]) -> str:
             "`idle` = 1 − (CPU + slowdown sleep) / span."
         ),
         "",
-        "| " + " | ".join(SUMMARY_HEADERS) + " | H |",
-        "|" + "---|" * (len(SUMMARY_HEADERS) + 1),
     ]
-    for row, r in zip(summary_rows(data["rows"]), data["rows"], strict=True):
-        h = r.get("sync_every")
-        lines.append("| " + " | ".join(row[: len(SUMMARY_HEADERS)]) + f" | {h or '–'} |")
+    table = [
+        [*row[: len(SUMMARY_HEADERS)], str(r.get("sync_every") or "–")]
+        for row, r in zip(summary_rows(data["rows"]), data["rows"], strict=True)
+    ]
+    lines += markdown_table([*SUMMARY_HEADERS, "H"], table)
+    failed = [r for r in data["runs"] if not r.get("ok")]
+    if failed:
+        lines += ["", "Runs that failed (left out of the medians above):", ""]
+        lines += [
+            f"- {r['rig']} round {r['round']} {r['system']}: {str(r.get('error', ''))[:300]}"
+            for r in failed
+        ]
     lines += ["", "Targets:", ""]
     for t in data["targets"]:
         v = t["value"]
@@ -684,9 +692,7 @@ def markdown(data: dict[str, Any]) -> str:
                 "windows = steps per rank in the first and last three cycles):"
             ),
             "",
-            "| " + " | ".join(BREAKDOWN_HEADERS) + " |",
-            "|" + "---|" * len(BREAKDOWN_HEADERS),
-            *("| " + " | ".join(r) + " |" for r in rows),
+            *markdown_table(BREAKDOWN_HEADERS, rows),
         ]
     return "\n".join(lines)
 

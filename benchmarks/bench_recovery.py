@@ -23,17 +23,18 @@ decision, as the survivor learns it) − kill time; ``t_resume`` = the moment ev
 committed a sync after that − kill time.
 
     python benchmarks/bench_recovery.py [--quick] [--trials N] [--systems flodl,torchft]
+    python benchmarks/bench_recovery.py --markdown [JSON]   # the docs section, from the JSON
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,11 +46,20 @@ from typing import Any
 from _common import (
     REPO_ROOT,
     RESULTS_DIR,
+    RunStamp,
+    add_markdown_option,
     ensure_repo_on_path,
-    machine_info,
+    markdown_table,
+    median_stats,
+    met_text,
     print_table,
     processes_with,
     rank_pid,
+    read_records,
+    repeat_trials,
+    section_head,
+    stats_cell,
+    wait_for,
     write_json,
 )
 
@@ -57,11 +67,14 @@ ensure_repo_on_path()
 
 WORLD = 3
 VICTIM = 1
+MODE = "cpu_cadence"
 TARGET_DETECT_KILL_S = 0.2
 TARGET_DETECT_STOP_OVER_S = 1.0
 TARGET_RESUME_S = 2.0
 HEARTBEAT_TIMEOUT_S = 30.0  # flodl's default, scaled by FLODL_NET_TIMEOUT_SCALE
 TORCHFT_SYNC_EVERY = 10  # flodl's initial ElChe anchor
+SIGNALS = {"kill": "SIGKILL", "stop": "SIGSTOP"}
+"""What each flodl path sends to the victim."""
 TORCHFT_VARIANTS = {
     "cli": "torchft (torchft_lighthouse, join 60 s)",
     "py": "torchft (LighthouseServer(), join 0.1 s)",
@@ -84,7 +97,7 @@ def flodl_job(spec_path: str) -> None:
         .dataset(task.train)
         .batch_size(spec["batch_size"])
         .num_epochs(spec["epochs"])
-        .elche(ElCheConfig.cpu_cadence())
+        .elche(ElCheConfig.preset(MODE))
         .local_ranks(WORLD)
         .record_log(spec["records"])
         .reports_per_epoch(1000)
@@ -94,48 +107,26 @@ def flodl_job(spec_path: str) -> None:
     handle.join()
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    """Every whole JSON record of one node file (a torn last line is skipped)."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return []
-    out = []
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and "ts" in rec:
-            out.append(rec)
-    return out
-
-
 def _root_syncs(records: Path) -> list[tuple[float, int]]:
     """(ts ms, syncs) of every root node report."""
     return [
         (float(r["ts"]), int(r["data"]["syncs"]))
-        for r in _records(records / "root.log")
+        for r in read_records(records / "root.log")
         if r.get("kind") == "node" and isinstance(r.get("data"), dict) and "syncs" in r["data"]
     ]
 
 
 def _rank_lost_ts(records: Path, rank: int) -> float | None:
-    for r in _records(records / "root" / f"rank{rank}.log"):
+    for r in read_records(records / "root" / f"rank{rank}.log"):
         data = r.get("data")
         if r.get("kind") == "event" and isinstance(data, dict) and data.get("class") == "rank_lost":
             return float(r["ts"])
     return None
 
 
-def _wait(pred: Any, timeout_s: float, poll_s: float = 0.02) -> Any:
-    deadline = time.perf_counter() + timeout_s
-    while time.perf_counter() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(poll_s)
-    return None
+def _ms_cell(s: dict[str, Any]) -> str:
+    """A seconds :func:`median_stats` result as a cell in whole milliseconds."""
+    return stats_cell(s, ".0f", 1000.0)
 
 
 def flodl_trial(path: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -172,7 +163,7 @@ def flodl_trial(path: str, args: argparse.Namespace, work: Path) -> dict[str, An
     result: dict[str, Any] = {"system": "flodl", "path": path, "timeout_s": timeout_s}
     victim: int | None = None
     try:
-        warm = _wait(
+        warm = wait_for(
             lambda: any(s >= args.warm_syncs for _, s in _root_syncs(records)), args.start_timeout
         )
         if not warm:
@@ -183,7 +174,7 @@ def flodl_trial(path: str, args: argparse.Namespace, work: Path) -> dict[str, An
         sig = signal.SIGKILL if path == "kill" else signal.SIGSTOP
         t_kill = time.time() * 1000.0
         os.kill(victim, sig)
-        lost = _wait(lambda: _rank_lost_ts(records, VICTIM), timeout_s + 30.0)
+        lost = wait_for(lambda: _rank_lost_ts(records, VICTIM), timeout_s + 30.0)
         if lost is None:
             raise RuntimeError("no rank_lost record within the heartbeat timeout + 30 s")
         if path == "stop":
@@ -195,7 +186,7 @@ def flodl_trial(path: str, args: argparse.Namespace, work: Path) -> dict[str, An
             after = [ts for ts, s in rows if ts > lost and s > before]
             return min(after) if after else None
 
-        resume = _wait(resumed, 30.0)
+        resume = wait_for(resumed, 30.0)
         result |= {
             "ok": True,
             "t_detect_s": (lost - t_kill) / 1000.0,
@@ -255,11 +246,11 @@ def torchft_trial(args: argparse.Namespace, work: Path, cli: bool) -> dict[str, 
 
             def warm() -> bool:
                 return all(
-                    sum(1 for e in _records(out / f"replica{r}.log") if e.get("committed")) >= 3
+                    sum(1 for e in read_records(out / f"replica{r}.log") if e.get("committed")) >= 3
                     for r in range(WORLD)
                 )
 
-            if not _wait(warm, args.start_timeout):
+            if not wait_for(warm, args.start_timeout):
                 raise RuntimeError(f"torchft: no 3 commits within {args.start_timeout:.0f} s")
             t_kill = time.time() * 1000.0
             os.kill(ctx.processes[VICTIM].pid, signal.SIGKILL)
@@ -270,7 +261,7 @@ def torchft_trial(args: argparse.Namespace, work: Path, cli: bool) -> dict[str, 
                 for r in survivors:
                     qs = [
                         e["ts"]
-                        for e in _records(out / f"replica{r}.log")
+                        for e in read_records(out / f"replica{r}.log")
                         if e.get("event") == "quorum"
                         and e["ts"] > t_kill
                         and f"replica_{VICTIM}" not in e.get("members", [])
@@ -279,7 +270,7 @@ def torchft_trial(args: argparse.Namespace, work: Path, cli: bool) -> dict[str, 
                         firsts.append(min(qs))
                 return min(firsts) if firsts else None
 
-            detect = _wait(detected, args.torchft_cap, poll_s=0.05)
+            detect = wait_for(detected, args.torchft_cap, poll_s=0.05)
 
             def resumed() -> float | None:
                 if detect is None:
@@ -288,7 +279,7 @@ def torchft_trial(args: argparse.Namespace, work: Path, cli: bool) -> dict[str, 
                 for r in survivors:
                     cs = [
                         e["ts"]
-                        for e in _records(out / f"replica{r}.log")
+                        for e in read_records(out / f"replica{r}.log")
                         if e.get("event") == "commit" and e["ts"] >= detect and e.get("committed")
                     ]
                     if not cs:
@@ -296,7 +287,7 @@ def torchft_trial(args: argparse.Namespace, work: Path, cli: bool) -> dict[str, 
                     firsts.append(min(cs))
                 return float(max(firsts))  # the reduce is complete once every survivor committed it
 
-            resume = _wait(resumed, 30.0, poll_s=0.05) if detect is not None else None
+            resume = wait_for(resumed, 30.0, poll_s=0.05) if detect is not None else None
             result |= {
                 "ok": detect is not None,
                 "t_detect_s": None if detect is None else (detect - t_kill) / 1000.0,
@@ -337,6 +328,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--torchft-cap", type=float, default=90.0, help="give up on torchft's detection after"
     )
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "bench_recovery.json")
+    add_markdown_option(p, RESULTS_DIR / "bench_recovery.json")
     p.add_argument("--flodl-job", help=argparse.SUPPRESS)
     p.add_argument("--tag", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -351,70 +343,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _stats(values: list[float | None]) -> dict[str, Any]:
-    got = [v for v in values if v is not None]
-    if not got:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    return {"median": statistics.median(got), "min": min(got), "max": max(got), "n": len(got)}
-
-
-def _cell(s: dict[str, Any]) -> str:
-    if s["median"] is None:
-        return "-"
-    if s["n"] == 1:
-        return f"{s['median'] * 1000:.0f}"
-    return f"{s['median'] * 1000:.0f} ({s['min'] * 1000:.0f}–{s['max'] * 1000:.0f})"
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.flodl_job is not None:
-        flodl_job(args.flodl_job)
-        return 0
-
-    from _torchft import torchft_version, unavailable
-
-    reason = unavailable() if "torchft" in args.system_list else "not selected"
-    print(
-        f"bench_recovery: {WORLD} ranks, rank {VICTIM} killed after {args.warm_syncs} reduces; "
-        f"{args.trials} trial(s) per path"
-    )
-    work = Path(tempfile.mkdtemp(prefix="bench_recovery-"))
-    trials: list[dict[str, Any]] = []
-    t_start = time.perf_counter()
-    try:
-        if "flodl" in args.system_list:
-            for path in args.path_list:
-                for _ in range(args.trials):
-                    r = flodl_trial(path, args, work)
-                    trials.append(r)
-                    print(f"  flodl {path}: {_brief(r)}", flush=True)
-        if "torchft" in args.system_list:
-            for ft_variant in TORCHFT_VARIANTS:
-                if reason is not None:
-                    trials.append(
-                        {
-                            "system": "torchft",
-                            "path": "kill",
-                            "variant": ft_variant,
-                            "ok": False,
-                            "error": reason,
-                        }
-                    )
-                    print(f"  torchft ({ft_variant}): cannot run here: {reason}")
-                    continue
-                for _ in range(max(1, min(args.trials, 2))):
-                    r = torchft_trial(args, work, cli=ft_variant == "cli")
-                    trials.append(r)
-                    print(f"  torchft ({ft_variant}) kill: {_brief(r)}", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
+def summarize(
+    trials: list[dict[str, Any]], system_list: list[str], path_list: list[str]
+) -> list[dict[str, Any]]:
+    """One row per flodl path and torchft lighthouse selected: the detect and resume stats over
+    its good trials and, for flodl, its target and whether every good trial met it."""
     rows: list[dict[str, Any]] = []
     groups: list[tuple[str, str, str | None]] = [
-        ("flodl", p, None) for p in args.path_list if "flodl" in args.system_list
+        ("flodl", p, None) for p in path_list if "flodl" in system_list
     ]
-    if "torchft" in args.system_list:
+    if "torchft" in system_list:
         groups += [("torchft", "kill", v) for v in TORCHFT_VARIANTS]
     for system, path, variant in groups:
         ts = [
@@ -424,8 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         good = [t for t in ts if t.get("ok")]
         timeout_s = ts[0].get("timeout_s") if ts else None
-        detect = _stats([t["t_detect_s"] for t in good])
-        resume = _stats([t["t_resume_s"] for t in good])
+        detect = median_stats([t["t_detect_s"] for t in good])
+        resume = median_stats([t["t_resume_s"] for t in good])
         row: dict[str, Any] = {
             "system": system,
             "path": path,
@@ -441,16 +379,18 @@ def main(argv: list[str] | None = None) -> int:
             worst_detect = detect["max"]
             if path == "kill":
                 row["target"] = f"detect < {TARGET_DETECT_KILL_S} s, resume < {TARGET_RESUME_S} s"
-                row["met"] = worst_detect < TARGET_DETECT_KILL_S and (
-                    resume["max"] is not None and resume["max"] < TARGET_RESUME_S
+                row["met"] = (
+                    worst_detect < TARGET_DETECT_KILL_S
+                    and resume["n"] == len(good)
+                    and resume["max"] < TARGET_RESUME_S
                 )
             else:
                 over = [t["t_detect_s"] - t["timeout_s"] for t in good]
                 after = [
                     t["t_resume_s"] - t["t_detect_s"] for t in good if t["t_resume_s"] is not None
                 ]
-                row["detect_minus_timeout_s"] = _stats(list(over))
-                row["resume_after_detect_s"] = _stats(list(after))
+                row["detect_minus_timeout_s"] = median_stats(list(over))
+                row["resume_after_detect_s"] = median_stats(list(after))
                 row["target"] = (
                     f"detect − timeout < {TARGET_DETECT_STOP_OVER_S} s, "
                     f"resume − detect < {TARGET_RESUME_S} s"
@@ -461,26 +401,64 @@ def main(argv: list[str] | None = None) -> int:
                     and max(after) < TARGET_RESUME_S
                 )
         rows.append(row)
+    return rows
 
+
+def report(
+    args: argparse.Namespace,
+    trials: list[dict[str, Any]],
+    reason: str | None,
+    header: dict[str, Any],
+) -> dict[str, Any]:
+    """The result file: ``header`` (:meth:`RunStamp.header`), the settings, the targets, why
+    torchft could not run (``reason``), the summary rows and every trial."""
+    return {
+        **header,
+        "quick": args.quick,
+        "config": {
+            "world": WORLD,
+            "victim": VICTIM,
+            "mode": MODE,
+            "trials": args.trials,
+            "scale": args.scale,
+            "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+            "warm_syncs": args.warm_syncs,
+            "samples": args.samples,
+            "batch_size": args.batch_size,
+            "torchft_sync_every": TORCHFT_SYNC_EVERY,
+        },
+        "targets": {
+            "detect_kill_s": TARGET_DETECT_KILL_S,
+            "detect_stop_over_s": TARGET_DETECT_STOP_OVER_S,
+            "resume_s": TARGET_RESUME_S,
+        },
+        "torchft": {"available": reason is None, "reason": reason},
+        "rows": summarize(trials, args.system_list, args.path_list),
+        "trials": trials,
+    }
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    """Print the summary rows as the terminal table."""
     table = []
     for r in rows:
         extra = ""
         if r["path"] == "stop" and "detect_minus_timeout_s" in r:
             extra = (
-                f"detect−timeout {_cell(r['detect_minus_timeout_s'])} ms, "
-                f"resume−detect {_cell(r['resume_after_detect_s'])} ms"
+                f"detect−timeout {_ms_cell(r['detect_minus_timeout_s'])} ms, "
+                f"resume−detect {_ms_cell(r['resume_after_detect_s'])} ms"
             )
         if r["errors"]:
             extra = (extra + "; " if extra else "") + f"failed: {r['errors'][0][:90]}"
         verdict = "-" if "met" not in r else ("met" if r["met"] else "NOT met")
         table.append(
             [
-                r["system"] if r["variant"] is None else TORCHFT_VARIANTS[r["variant"]],
-                {"kill": "SIGKILL", "stop": "SIGSTOP (heartbeat)"}[r["path"]],
+                _label(r),
+                SIGNALS[r["path"]] + (" (heartbeat)" if r["path"] == "stop" else ""),
                 f"{r['ok']}/{r['trials']}",
                 "-" if r["timeout_s"] is None else f"{r['timeout_s']:g}",
-                _cell(r["t_detect_s"]),
-                _cell(r["t_resume_s"]),
+                _ms_cell(r["t_detect_s"]),
+                _ms_cell(r["t_resume_s"]),
                 r.get("target", ""),
                 verdict,
                 extra,
@@ -491,29 +469,154 @@ def main(argv: list[str] | None = None) -> int:
         ["system", "path", "ok", "timeout s", "detect ms", "resume ms", "target", "", "note"],
         table,
     )
-    print(f"bench_recovery took {time.perf_counter() - t_start:.0f} s")
-    path = write_json(
-        args.json,
-        {
-            "benchmark": "bench_recovery",
-            "quick": args.quick,
-            "machine": machine_info(),
-            "versions": {"torchft": torchft_version()},
-            "config": {
-                "world": WORLD,
-                "victim": VICTIM,
-                "trials": args.trials,
-                "scale": args.scale,
-                "warm_syncs": args.warm_syncs,
-                "samples": args.samples,
-                "batch_size": args.batch_size,
-                "torchft_sync_every": TORCHFT_SYNC_EVERY,
-            },
-            "torchft": {"available": reason is None, "reason": reason},
-            "rows": rows,
-            "trials": trials,
-        },
+
+
+def _label(r: dict[str, Any]) -> str:
+    """A row's system: ``flodl``, or the torchft lighthouse's label."""
+    return str(r["system"]) if r["variant"] is None else TORCHFT_VARIANTS[r["variant"]]
+
+
+def _path_label(r: dict[str, Any]) -> str:
+    """A row's path as the docs table names it (the signal; SIGSTOP with its timeout)."""
+    if r["path"] == "kill":
+        return "SIGKILL (child-exit report)" if r["system"] == "flodl" else "SIGKILL"
+    timeout = "?" if r["timeout_s"] is None else f"{r['timeout_s']:g}"
+    return f"SIGSTOP, heartbeat timeout {timeout} s"
+
+
+def _target_cell(r: dict[str, Any], targets: dict[str, float]) -> str:
+    """A row's target cell: the bounds in ms and the row's verdict (flodl), or ``reference``."""
+    if r["system"] != "flodl":
+        return "reference"
+    resume_ms = f"{1000 * targets['resume_s']:g} ms"
+    if r["path"] == "kill":
+        goal = f"detect < {1000 * targets['detect_kill_s']:g} ms, resume < {resume_ms}"
+        return f"{goal}: {met_text(r.get('met'))}"
+    goal = f"detect − timeout < {1000 * targets['detect_stop_over_s']:g} ms, resume − detect < "
+    cell = f"{goal}{resume_ms}: {met_text(r.get('met'))}"
+    if "detect_minus_timeout_s" in r:
+        cell += (
+            f" (detect − timeout {_ms_cell(r['detect_minus_timeout_s'])} ms; resume − detect "
+            f"{_ms_cell(r['resume_after_detect_s'])} ms)"
+        )
+    return cell
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """The docs/benchmarks.md section for a result file (every figure from it)."""
+    cfg = data["config"]
+    rows = data["rows"]
+    timeouts = {r["path"]: r["timeout_s"] for r in rows if r["system"] == "flodl"}
+    ft_timeout = next((r["timeout_s"] for r in rows if r["system"] == "torchft"), None)
+    setup = (
+        f"{cfg['world']} ranks train the demo task ({cfg['samples']:,} windows, batch "
+        f"{cfg['batch_size']}, `{cfg['mode']}`); once {cfg['warm_syncs']} reduces are done, rank "
+        f"{cfg['victim']}'s process gets the signal. flodl's SIGKILL path runs with the default "
+        f"timeouts (heartbeat {cfg['heartbeat_timeout_s']:g} s), its SIGSTOP path under "
+        f"`FLODL_NET_TIMEOUT_SCALE={cfg['scale']:g}`"
+        + (f" (heartbeat timeout {timeouts['stop']:g} s)" if timeouts.get("stop") else "")
+        + ". detect: the `rank_lost` record; resume: the next completed reduce."
     )
+    if any(r["system"] == "torchft" for r in rows):
+        setup += (
+            f" torchft: {cfg['world']} replica groups of one process run "
+            f"`LocalSGD(sync_every={cfg['torchft_sync_every']})` with "
+            f"`min_replica_size={cfg['world'] - 1}` and one lighthouse at its defaults"
+            + (f" (heartbeat timeout {ft_timeout:g} s)" if ft_timeout else "")
+            + f"; replica {cfg['victim']} is SIGKILLed. detect: the first quorum a survivor gets "
+            "without it; resume: every survivor has committed a sync after that."
+        )
+    counts = ", ".join(f"{_label(r)} {SIGNALS[r['path']]} {r['ok']}/{r['trials']}" for r in rows)
+    setup += (
+        " Times are ms from the signal: median (min–max) over the trials that finished "
+        f"(finished/run: {counts})."
+    )
+    lines = [
+        *section_head("Recovery", data, f"{data['took_s']:.0f} s"),
+        "",
+        setup,
+        "",
+        *markdown_table(
+            ["system", "path", "detect", "resume (next completed reduce)", "target"],
+            (
+                [
+                    _label(r),
+                    _path_label(r),
+                    _ms_cell(r["t_detect_s"]),
+                    _ms_cell(r["t_resume_s"]),
+                    _target_cell(r, data["targets"]),
+                ]
+                for r in rows
+            ),
+        ),
+    ]
+    notes = []
+    for r in rows:
+        over = r.get("detect_minus_timeout_s", {}).get("median")
+        if over is not None:
+            when = "before" if over < 0 else "after"
+            notes.append(
+                f"- SIGSTOP: detection came {abs(1000 * over):.0f} ms {when} the nominal "
+                f"{r['timeout_s']:g} s heartbeat timeout (median over {r['ok']} trial(s))."
+            )
+        if r["errors"]:
+            error = " ".join(r["errors"][0].split())[:200]
+            notes.append(
+                f"- {_label(r)} {SIGNALS[r['path']]}: {len(r['errors'])} of {r['trials']} trial(s) "
+                f"failed; the first: {error}"
+            )
+    return "\n".join(lines + (["", *notes] if notes else []))
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw = sys.argv[1:] if argv is None else argv
+    args = parse_args(raw)
+    if args.flodl_job is not None:
+        flodl_job(args.flodl_job)
+        return 0
+    if args.markdown is not None:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
+
+    from _torchft import unavailable
+
+    stamp = RunStamp("bench_recovery", raw)
+    reason = unavailable() if "torchft" in args.system_list else "not selected"
+    print(
+        f"bench_recovery: {WORLD} ranks, rank {VICTIM} killed after {args.warm_syncs} reduces; "
+        f"{args.trials} trial(s) per path"
+    )
+    work = Path(tempfile.mkdtemp(prefix="bench_recovery-"))
+    trials: list[dict[str, Any]] = []
+    try:
+        if "flodl" in args.system_list:
+            for path in args.path_list:
+                run = functools.partial(flodl_trial, path, args, work)
+                repeat_trials(f"flodl {path}", args.trials, run, _brief, trials)
+        if "torchft" in args.system_list:
+            for ft_variant in TORCHFT_VARIANTS:
+                if reason is not None:
+                    trials.append(
+                        {
+                            "system": "torchft",
+                            "path": "kill",
+                            "variant": ft_variant,
+                            "ok": False,
+                            "error": reason,
+                        }
+                    )
+                    print(f"  torchft ({ft_variant}): cannot run here: {reason}")
+                    continue
+                run = functools.partial(torchft_trial, args, work, cli=ft_variant == "cli")
+                label = f"torchft ({ft_variant}) kill"
+                repeat_trials(label, max(1, min(args.trials, 2)), run, _brief, trials)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    data = report(args, trials, reason, stamp.header("bench_recovery", "torch", "torchft"))
+    print_rows(data["rows"])
+    print(f"bench_recovery took {data['took_s']:.0f} s")
+    path = write_json(args.json, data)
     print(f"wrote {path}")
     return 0
 

@@ -3,39 +3,10 @@ summary extractors. Nothing here trains, spawns or times anything."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Import a script of benchmarks/ the way it runs (its folder first on sys.path)."""
-    monkeypatch.syspath_prepend(str(REPO))
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-
-    def load(name: str) -> ModuleType:
-        return importlib.import_module(name)
-
-    yield load
-    for name in (
-        "bench_hetero",
-        "bench_coord",
-        "bench_startup",
-        "bench_recovery",
-        "bench_replay",
-        "bench_wire",
-        "_ddp",
-        "_torchft",
-        "benchmarks.__main__",
-    ):
-        sys.modules.pop(name, None)
 
 
 class FakeSlowdown:
@@ -151,8 +122,15 @@ def test_recovery_arguments_and_stats(bench: Any) -> None:
     assert args.path_list == ["kill", "stop"]
     with pytest.raises(SystemExit):
         r.parse_args(["--paths", "sigsegv"])
-    assert r._stats([0.1, None, 0.3, 0.2]) == {"median": 0.2, "min": 0.1, "max": 0.3, "n": 3}
-    assert r._stats([None])["median"] is None
+    c = bench("_common")
+    stats = c.median_stats([0.1, None, 0.3, 0.2])
+    assert stats == {"median": 0.2, "min": 0.1, "max": 0.3, "n": 3}
+    assert c.median_stats([None])["median"] is None
+    assert r._ms_cell(stats) == "200 (100–300)"
+    assert c.stats_cell(c.median_stats([None])) == "-"
+    assert c.stats_cell(c.median_stats([1.5])) == "1.50"
+    # a value that rounds to zero loses its sign; a negative one keeps it
+    assert c.stats_cell(c.median_stats([-0.0004, -0.004]), ".0f", 1000.0) == "-2 (-4–0)"
 
 
 def test_suite_plan_and_extractors(bench: Any) -> None:
@@ -203,17 +181,19 @@ def test_suite_plan_and_extractors(bench: Any) -> None:
 
 
 def _elastic_tree() -> dict[str, list[dict[str, Any]]]:
-    """A hand-made record tree: reduces every 200 ms from t = 0, rank 1 dies at 0.95 s, says hello
-    at 2.9 s, gets the consensus in the cycle at 3.0 s (weight 0) and does steps from the one at
-    3.2 s; throughput 300 before the kill, 200 while down, 330 after the fold."""
+    """A hand-made record tree: a report every 50 ms (one per batch, as ``reports_per_epoch``
+    gives) and a reduce every 200 ms from t = 0; rank 1 dies at 0.95 s, says hello at 2.9 s, gets
+    the consensus in the cycle at 3.0 s (weight 0), first reports steps at 3.2 s and has them
+    averaged in the reduce at 3.4 s; throughput 300 before the kill, 200 while down, 330 after
+    the fold."""
     root: list[dict[str, Any]] = []
     rank1: list[dict[str, Any]] = []
-    for i in range(25):
-        ts = 200.0 * i
+    for i in range(100):
+        ts = 50.0 * i
         thr = 300.0 if ts < 1000 else 200.0 if ts < 3200 else 330.0
-        data = {"syncs": i + 1, "throughput": thr, "steps": thr / 10}
+        data = {"syncs": i // 4 + 1, "throughput": thr, "steps": thr / 40}
         root.append({"ts": ts, "kind": "node", "data": data})
-        steps = 0.0 if 1000 <= ts < 3200 else 10.0
+        steps = 0.0 if 1000 <= ts < 3200 else 2.5
         rank1.append({"ts": ts + 0.5, "kind": "node", "data": {"steps": steps}})
     root.insert(0, {"ts": -5.0, "kind": "meta", "data": {}})
     root.append({"ts": 4000.0, "kind": "epoch", "data": {"epoch": 0, "epoch_ms": 4000.0}})
@@ -228,9 +208,11 @@ def _elastic_tree() -> dict[str, list[dict[str, Any]]]:
 def test_elastic_fold_window_and_throughput(bench: Any) -> None:
     e = bench("bench_elastic")
     tree = _elastic_tree()
-    assert len(e.root_reports(tree)) == 25  # the meta and epoch records are no reduces
+    assert len(e.root_reports(tree)) == 100  # the meta and epoch records are no reduces
+    assert [r["ts"] for r in e.cycle_reports(e.root_reports(tree))][:3] == [200.0, 400.0, 600.0]
     fold = e.first_fold(tree, 1, after_ms=3000.0)
-    assert fold is not None and fold["ts"] == 3200.0  # the cycle at 3.0 s had 0 steps
+    # its first steps show in the report at 3.2 s; the reduce after them completes at 3.4 s
+    assert fold is not None and fold["ts"] == 3400.0
     got = e.analyse_flodl(
         tree,
         victim=1,
@@ -240,26 +222,26 @@ def test_elastic_fold_window_and_throughput(bench: Any) -> None:
         after_s=0.8,
         batch_size=10,
     )
-    assert got["t_fold_s"] == pytest.approx(0.3)  # hello at 2.9 s → fold at 3.2 s
-    assert got["window_s"] == pytest.approx(0.2)
+    assert got["t_fold_s"] == pytest.approx(0.5)  # hello at 2.9 s → fold at 3.4 s
+    assert got["window_s"] == pytest.approx(0.2)  # the reduce interval, not the report one
     assert got["target_s"] == pytest.approx(2.2) and got["met"] is True
     assert (got["down_s"], got["consensus_s"]) == (1.9, 0.1)
-    assert got["throughput_before"] == pytest.approx(300.0) and got["reports_before"] == 4
-    assert got["throughput_after"] == pytest.approx(330.0) and got["reports_after"] == 4
+    assert got["throughput_before"] == pytest.approx(300.0) and got["reports_before"] == 16
+    assert got["throughput_after"] == pytest.approx(330.0) and got["reports_after"] == 16
     assert got["throughput_ratio"] == pytest.approx(1.1)
     assert got["throughput_while_down"] == pytest.approx(200.0)
-    # wall-clock: 4 reports of 30 steps × 10 samples in the 0.8 s since the report at t = 0
+    # wall-clock: 16 reports of 7.5 steps × 10 samples in the 0.8 s since the report at 0.15 s
     assert got["wall_throughput_before"] == pytest.approx(1500.0)
     assert got["wall_throughput_ratio"] == pytest.approx(1.1)
     assert got["start_to_hello_s"] == pytest.approx(0.9)
-    assert got["start_to_fold_s"] == pytest.approx(1.2)
-    assert got["syncs_while_down"] == 15 - 5  # syncs 5 at 0.8 s, 15 at 2.8 s
+    assert got["start_to_fold_s"] == pytest.approx(1.4)
+    assert got["syncs_while_down"] == 15 - 5  # syncs 5 at 0.95 s, 15 at 2.9 s
     assert got["consensus_to_next_epoch_s"] == pytest.approx(1.0)
     # order pairing needs equal lengths; a missing rank record falls back to time pairing
     del tree["root/rank1"][0]
     pairs = e.paired_reports(tree, 1)
-    assert pairs[0][1] is None and pairs[1][1]["ts"] == 200.5
-    assert e.first_fold(tree, 1, after_ms=3000.0)["ts"] == 3200.0
+    assert pairs[0][1] is None and pairs[1][1]["ts"] == 50.5
+    assert e.first_fold(tree, 1, after_ms=3000.0)["ts"] == 3400.0
     with pytest.raises(ValueError, match="rank_rejoined"):
         e.analyse_flodl(tree, victim=1, t_kill_ms=3500.0, t_respawn_ms=None, before_s=1, after_s=1)
 
