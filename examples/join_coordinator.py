@@ -28,7 +28,7 @@ def main() -> None:
     handle = Trainer.run(
         lambda device: torch.nn.Sequential(
             torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
-        ),
+        ).to(device),  # the rank's device: its local rank's GPU under torchrun, else the CPU
         lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
         lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]),
         TrainerConfig(

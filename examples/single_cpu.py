@@ -1,4 +1,6 @@
-"""Tier 1: one CPU (or one GPU), in process, no coordinator: the same Trainer call.
+"""Tier 1: one CPU, in process, no coordinator: the same Trainer call (without
+``.device("cpu")`` the default ``auto`` trains on the GPU when one is visible, and on one rank
+per GPU when several are).
 
 python examples/single_cpu.py
 """
@@ -24,6 +26,7 @@ def main() -> None:
             lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]),
         )
         .dataset(TensorBatchDataset(x, y))
+        .device("cpu")  # the default, "auto", would take a GPU where one is visible
         .batch_size(32)
         .num_epochs(3)
         .metrics_fn(lambda m: print(f"epoch {m.epoch}: loss {m.avg_loss:.4f}"))

@@ -7,9 +7,9 @@
   a rank started by another launcher (tier 4) returns a finished handle, having raised at once
   whatever ended the rank (``CoordinatorLost``, a failing ``train_step``), and a child of
   flodl's own launcher exits instead of returning;
-* a cluster is configured (``local_ranks``, ``cluster``, ``flodl launch``, or two or more GPUs
-  with ``device="cuda"``): this process becomes the launcher (:mod:`flodl.launch.launcher`) and
-  returns a handle at once;
+* a cluster is configured (``local_ranks``, ``local_devices``, ``cluster``, ``flodl launch``,
+  or two or more GPUs visible with ``device`` ``"auto"`` or ``"cuda"``): this process becomes
+  the launcher (:mod:`flodl.launch.launcher`) and returns a handle at once;
 * otherwise: one device, in process, no coordinator, on a background thread (:mod:`flodl.local`).
 
 Every configuration error is raised by ``run()`` as a :class:`~flodl.errors.ConfigError`
@@ -18,6 +18,7 @@ naming the field, before any process starts.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from flodl.launch.cluster import CLUSTER_ENV_VAR, Cluster
 from flodl.launch.env import is_launched, rank_env
 from flodl.local import LocalRun, LocalSchedule
 from flodl.outer import OuterConfig
+from flodl.rank.resources import ResourceProbe, ResourceSampler
 from flodl.rank.snapshot import TrainedState
 from flodl.rank.step import TrainJob, record_scalar
 from flodl.trainer_config import TrainerConfig, job_spec, monitor_session
@@ -46,6 +48,8 @@ __all__ = ["Trainer", "TrainerBuilder", "TrainerConfig", "TrainerHandle", "recor
 
 
 Fn = Callable[..., Any]
+
+logger = logging.getLogger(__name__)
 
 
 class TrainerBuilder:
@@ -110,6 +114,12 @@ class TrainerBuilder:
     def local_ranks(self, n: int) -> TrainerBuilder:
         """Launch ``n`` ranks on this host (one process each)."""
         return self._set("ranks", n)
+
+    def local_devices(self, devices: list[str | int]) -> TrainerBuilder:
+        """Launch one rank per entry on this host: ``cpu``, ``cuda:N`` or ``N``. CPU and GPU
+        ranks may mix and a GPU may be listed more than once in the CPU averaging modes
+        (docs/design.md §2c, "Devices")."""
+        return self._set("local_devices", devices)
 
     def save_path(self, stem: str) -> TrainerBuilder:
         return self._set("save_path", stem)
@@ -229,13 +239,13 @@ class Trainer:
         if rank_env() is not None:
             from flodl.launch.child import run_as_rank
 
-            return run_as_rank(job, config.heartbeat_timeout)
-        cluster = _resolve_cluster(config)
-        if cluster is not None and cluster.world_size > 1:
+            return run_as_rank(job, config.heartbeat_timeout, config.device)
+        cluster, device = _placement(config)
+        if cluster is not None:
             from flodl.launch.launcher import launch
 
             return launch(job, config, cluster)
-        return _run_single(job, config)
+        return _run_single(job, config, device)
 
     @staticmethod
     def worker(
@@ -254,15 +264,17 @@ class Trainer:
             from flodl.rank.runtime import RankLoop
 
             return Worker(
-                loop=RankLoop(rank_spec(config.heartbeat_timeout, job.save_path), job),
+                loop=RankLoop(
+                    rank_spec(config.heartbeat_timeout, job.save_path, config.device), job
+                ),
                 launched=is_launched(),
             )
-        cluster = _resolve_cluster(config)
-        if cluster is not None and cluster.world_size > 1:
+        cluster, device = _placement(config)
+        if cluster is not None:
             from flodl.launch.launcher import launch
 
             return Worker(handle=launch(job, config, cluster))
-        return Worker(local=LocalRun(job, _local_schedule(config)))
+        return Worker(local=LocalRun(job, _local_schedule(config, device)))
 
 
 def _check_factories(
@@ -292,23 +304,65 @@ def _no_train_step(model: Any, batch: Any) -> Any:
     raise FlodlError("this Worker's loop computes the loss itself: call worker.step(loss)")
 
 
-def _resolve_cluster(c: TrainerConfig) -> Cluster | None:
-    """Precedence: the cluster ``flodl launch`` hands over > ``cluster`` > ``ranks``."""
-    handed = os.environ.get(CLUSTER_ENV_VAR)
-    if handed:
-        return Cluster.from_env_json(handed)
-    if c.cluster is not None:
-        return c.cluster
-    if c.ranks is not None:
-        return ClusterBuilder.local(c.ranks, "cpu" if c.device == "cpu" else "cuda")
-    if c.device == "cuda":
-        # auto-promote: one rank per visible GPU (nvidia-smi; the launcher never touches CUDA)
-        from flodl.launch.gpus import detect_gpus
+def _placement(c: TrainerConfig) -> tuple[Cluster | None, str]:
+    """The cluster to launch (``None``: one device, in process) and that one device.
 
-        gpus = detect_gpus()
-        if len(gpus) >= 2:
-            return ClusterBuilder.all_local_gpus(len(gpus))
-    return None
+    Precedence: the cluster ``flodl launch`` hands over > ``cluster`` > ``local_devices`` >
+    ``local_ranks`` > auto-promote (two or more GPUs visible with ``device`` ``"auto"`` or
+    ``"cuda"``) > one device. ``device="auto"`` (the default) means the GPUs ``nvidia-smi``
+    shows (``CUDA_VISIBLE_DEVICES`` honoured) when torch is built with CUDA, else the CPU;
+    the launcher never initialises CUDA (docs/design.md §2c, "Devices").
+    """
+    handed = os.environ.get(CLUSTER_ENV_VAR)
+    cluster: Cluster | None = None
+    if handed:
+        cluster = Cluster.from_env_json(handed)
+    elif c.cluster is not None:
+        cluster = c.cluster
+    elif c.local_devices is not None:
+        cluster = ClusterBuilder.local_devices(c.local_devices)
+    if cluster is not None:
+        # a one-rank cluster still launches when its rank is elsewhere or its devices unknown
+        if not cluster.is_resolved or cluster.world_size > 1 or not cluster.is_local():
+            return cluster, "cpu"
+        return None, cluster.ranks()[0].device
+    if c.device == "cpu" or (c.device.startswith("cuda:") and c.ranks is None):
+        return _local_ranks(c.ranks, c.device), c.device
+    gpus = _visible_gpus(c.device)
+    if c.ranks is not None:
+        if c.device == "auto" and gpus < c.ranks:
+            if gpus:
+                logger.info(
+                    "device auto: %d GPU(s) visible for %d local ranks; the ranks run on the "
+                    "CPU (device('cuda') shares the GPUs among them)",
+                    gpus,
+                    c.ranks,
+                )
+            return _local_ranks(c.ranks, "cpu"), "cpu"
+        return _local_ranks(c.ranks, "cuda", gpus), "cuda"
+    if gpus >= 2:
+        return ClusterBuilder.all_local_gpus(gpus), "cuda"
+    if c.device == "auto":
+        return None, "cuda" if gpus == 1 else "cpu"
+    return None, c.device
+
+
+def _local_ranks(ranks: int | None, device: str, gpus: int = 0) -> Cluster | None:
+    if ranks is None or ranks < 2:
+        return None
+    return ClusterBuilder.local(ranks, "cpu" if device == "cpu" else "cuda", gpus=gpus or None)
+
+
+def _visible_gpus(device: str) -> int:
+    """How many GPUs ``nvidia-smi`` shows this process (0 for ``auto`` when torch has no CUDA:
+    a CPU build of torch cannot use them)."""
+    import torch
+
+    if device == "auto" and not torch.backends.cuda.is_built():
+        return 0
+    from flodl.launch.gpus import detect_gpus
+
+    return len(detect_gpus())
 
 
 def _job(model_factory: Fn, optim_factory: Fn, train_step: Fn, c: TrainerConfig) -> TrainJob:
@@ -341,10 +395,10 @@ def _job(model_factory: Fn, optim_factory: Fn, train_step: Fn, c: TrainerConfig)
     )
 
 
-def _local_schedule(c: TrainerConfig) -> LocalSchedule:
+def _local_schedule(c: TrainerConfig, device: str) -> LocalSchedule:
     return LocalSchedule(
         num_epochs=c.num_epochs,
-        device=c.device,
+        device=device,
         checkpoint_every=c.checkpoint_every,
         checkpoint_at_epoch=c.checkpoint_at_epoch,
         eval_every=c.eval_every,
@@ -359,12 +413,12 @@ def _local_schedule(c: TrainerConfig) -> LocalSchedule:
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_single(job: TrainJob, c: TrainerConfig) -> TrainerHandle:
+def _run_single(job: TrainJob, c: TrainerConfig, device: str) -> TrainerHandle:
     handle = TrainerHandle(1)
 
     def body() -> None:
         try:
-            state = _train_single(job, c, handle)
+            state = _train_single(job, c, handle, device)
         except BaseException as exc:  # noqa: BLE001 - delivered to join()
             handle._finish(None, exc)
         else:
@@ -376,7 +430,9 @@ def _run_single(job: TrainJob, c: TrainerConfig) -> TrainerHandle:
     return handle
 
 
-def _train_single(job: TrainJob, c: TrainerConfig, handle: TrainerHandle) -> TrainedState:
+def _train_single(
+    job: TrainJob, c: TrainerConfig, handle: TrainerHandle, device: str
+) -> TrainedState:
     monitor = monitor_session(c, 1, None, run_info={"tier": "single"})
     if monitor is not None:
         handle.dashboard_url = monitor.url
@@ -386,9 +442,21 @@ def _train_single(job: TrainJob, c: TrainerConfig, handle: TrainerHandle) -> Tra
             monitor.epoch(m)
         handle._push(m)
 
+    sampler: ResourceSampler | None = None
+    if monitor is not None:  # the rank's resources, as a rank's bridge samples them
+        path = monitor.paths[0]
+        session = monitor
+        sampler = ResourceSampler(
+            ResourceProbe(0, device),
+            lambda sample: session.record(path, "resource", sample.model_dump()),
+        ).start()
+    on_report = monitor.sub_epoch_report if monitor is not None else None
     try:
-        on_report = monitor.sub_epoch_report if monitor is not None else None
-        return LocalRun(job, _local_schedule(c), on_metrics=on_metrics, on_report=on_report).run()
+        # ``run`` (its model on the device included) lives on for the last sample below
+        run = LocalRun(job, _local_schedule(c, device), on_metrics=on_metrics, on_report=on_report)
+        return run.run()
     finally:
+        if sampler is not None:
+            sampler.stop()
         if monitor is not None:
             monitor.close()

@@ -7,6 +7,7 @@ Each default is written once: the coordinator's in :mod:`flodl.config`, the dead
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, Self
@@ -25,6 +26,7 @@ from flodl.config import (
     validated,
 )
 from flodl.coord.metrics import REDUCTIONS
+from flodl.launch.builder import ClusterBuilder
 from flodl.launch.cluster import Cluster
 from flodl.monitor.session import MonitorSession
 from flodl.sampling import SHUFFLE_BASE_SEED
@@ -59,9 +61,16 @@ class TrainerConfig(BaseModel):
     augment: Annotated[int, Field(ge=1)] = 1
     epoch_splits: Annotated[int, Field(ge=1)] = 1
     seed: int = SHUFFLE_BASE_SEED
-    device: str = "cpu"
+    device: str = "auto"
+    """``"auto"``: the GPUs ``nvidia-smi`` shows when torch is built with CUDA (two or more:
+    one rank per GPU; one: that GPU, in process; with ``ranks``, one GPU per rank when there
+    are enough, else the CPU), otherwise the CPU. ``"cpu"`` never uses a GPU; ``"cuda"``
+    promotes like ``auto`` and shares the GPUs among more ``ranks`` than GPUs; ``"cuda:N"``
+    is that GPU, in process."""
     ranks: Annotated[int, Field(ge=1, le=4096)] | None = None
     """Local ranks to launch on this host (``None``: one device, in process)."""
+    local_devices: tuple[str | int, ...] | None = None
+    """Local ranks, one per device (``cpu``, ``cuda:N`` or ``N``; CPU and GPU ranks may mix)."""
     cluster: Cluster | None = None
     """Hosts and devices to launch on (``ClusterBuilder`` / ``fdl.cluster.yml``)."""
     save_path: str | None = None
@@ -120,19 +129,30 @@ class TrainerConfig(BaseModel):
         n = len(self.dataset)
         if n < self.batch_size:
             raise ValueError(f"dataset has {n} samples, fewer than one batch ({self.batch_size})")
-        if self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.ranks is not None and self.cluster is not None:
-            raise ValueError("set either ranks (local) or cluster, not both")
-        ratios = self.elche.partition_ratios
-        world = self.cluster.world_size if self.cluster is not None else (self.ranks or 1)
-        if ratios is not None and len(ratios) != world:
-            raise ValueError(f"elche.partition_ratios has {len(ratios)} entries for {world} ranks")
-        policy = self.epoch_callback_policy
-        if isinstance(policy, int) and policy >= world:
+        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(
+            r"cuda:[0-9]+", self.device
+        ):
             raise ValueError(
-                f"epoch_callback_policy Rank({policy}) is out of range for {world} rank(s)"
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
             )
+        placed = [
+            name
+            for name, value in (
+                ("ranks", self.ranks),
+                ("local_devices", self.local_devices),
+                ("cluster", self.cluster),
+            )
+            if value is not None
+        ]
+        if len(placed) > 1:
+            raise ValueError(f"set one of ranks, local_devices and cluster, not {placed}")
+        world: int | None = self.ranks or 1
+        if self.local_devices is not None:
+            world = ClusterBuilder.local_devices(self.local_devices).world_size
+        elif self.cluster is not None:
+            world = self.cluster.world_size if self.cluster.is_resolved else None
+        if world is not None:
+            self.check_world(world)
         if self.eval_fn is None and (self.eval_result_fn is not None or self.eval_every):
             raise ValueError("eval_result_fn / eval_every need an eval_fn")
         core = sorted(set(self.scalar_reductions) & set(REDUCTIONS))
@@ -141,6 +161,22 @@ class TrainerConfig(BaseModel):
                 f"scalar_reduction: {core} are framework metrics with fixed reductions"
             )
         return self
+
+    def check_world(self, world: int) -> None:
+        """The settings that depend on the world size, once it is known (a cluster with
+        ``devices: all`` knows it only once the launcher probed its hosts).
+
+        Raises:
+            ValueError: a setting does not fit ``world`` ranks.
+        """
+        ratios = self.elche.partition_ratios
+        if ratios is not None and len(ratios) != world:
+            raise ValueError(f"elche.partition_ratios has {len(ratios)} entries for {world} ranks")
+        policy = self.epoch_callback_policy
+        if isinstance(policy, int) and policy >= world:
+            raise ValueError(
+                f"epoch_callback_policy Rank({policy}) is out of range for {world} rank(s)"
+            )
 
 
 def job_spec(

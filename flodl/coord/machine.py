@@ -119,7 +119,11 @@ class Coordinator:
         self.save_reason: SaveReason | None = None
         self.save_detail = ""
         self.membership = Membership(
-            w, config.run_id, config.timeouts, forming_size=config.forming_size
+            w,
+            config.run_id,
+            config.timeouts,
+            forming_size=config.forming_size,
+            traits=config.elche.traits,
         )
         self.elche = ElChe(
             w,
@@ -507,6 +511,7 @@ class Coordinator:
             out.append(RefusePeer(reason))
             return
         running = hello.role != "supervisor" and self.phase is not RunPhase.FORMING
+        membership.place(hello)
         accept = membership.accept(hello, running=running)
         if running:  # a rejoin, or a rank that missed the formation
             self.admission.admit(hello.rank, accept, now, out)

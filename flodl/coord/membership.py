@@ -25,6 +25,8 @@ from flodl.config import JobSpec, MaxFailure
 from flodl.coord.cycle import Sessions
 from flodl.coord.effects import Effect, Send
 from flodl.coord.liveness import Liveness, RankState, unrecoverable_reason
+from flodl.modes import ModeTraits
+from flodl.placement import Placement, placement_problem
 from flodl.timeouts import Timeouts
 from flodl.wire.frames import (
     PROTOCOL_VERSION,
@@ -36,7 +38,12 @@ from flodl.wire.frames import (
     SaveReason,
 )
 
-__all__ = ["Membership"]
+__all__ = ["Membership", "placed_at"]
+
+
+def placed_at(hello: Hello) -> Placement:
+    """Where the rank of ``hello`` runs, as it says."""
+    return Placement(hello.rank, hello.host, hello.device, hello.gpu)
 
 
 class Membership:
@@ -49,8 +56,16 @@ class Membership:
     """
 
     def __init__(
-        self, world_size: int, run_id: str, timeouts: Timeouts, *, forming_size: int | None = None
+        self,
+        world_size: int,
+        run_id: str,
+        timeouts: Timeouts,
+        *,
+        forming_size: int | None = None,
+        traits: ModeTraits | None = None,
     ) -> None:
+        self.traits = traits
+        """The run's mode (which placements it trains); ``None``: the job's, once known."""
         self.world_size = world_size
         self.forming_size = world_size if forming_size is None else forming_size
         """Ranks that must join before training starts (the others may join later)."""
@@ -62,6 +77,8 @@ class Membership:
         self.job: JobSpec | None = None
         """The first admitted rank's job description (every later rank must match it)."""
         self.devices: list[int | None] = [None] * world_size
+        self.placements: list[Placement | None] = [None] * world_size
+        """Where each rank that said hello runs (its latest incarnation)."""
         self.unrecovered: list[int] = []
         """Ranks declared dead since the last finalized cycle."""
         self.incarnations = [0] * world_size
@@ -159,7 +176,20 @@ class Membership:
                 f"model signature {hello.model_signature[:12]}… differs from the first rank's "
                 f"{self.signature[:12]}… (a different model or dtype)"
             )
+        job = self.job or hello.job
+        traits = self.traits or (job.elche.traits if job is not None else None)
+        if traits is not None:
+            live = [self.placements[r] for r in self.alive() if r != hello.rank]
+            others = [p for p in live if p is not None]
+            problem = placement_problem(traits, [*others, placed_at(hello)])
+            if problem is not None:
+                return f"rank {hello.rank} cannot join: {problem}"
         return None
+
+    def place(self, hello: Hello) -> None:
+        """Remember where an admitted rank runs (the placement rule reads it)."""
+        if hello.role != "supervisor":
+            self.placements[hello.rank] = placed_at(hello)
 
     def accept(self, hello: Hello, *, running: bool = False) -> Accept:
         """The reply that admits ``hello`` (the shell adds the data and store ports);

@@ -362,6 +362,7 @@ def _solo(
         state = (
             Trainer.builder(task.model_factory, task.optim_factory, task.train_step)
             .dataset(task.train)
+            .device("cpu")  # on the CPU, like the baselines it is compared with
             .batch_size(BATCH_SIZE)
             .num_epochs(options.epochs)
             .seed(options.seed)
@@ -397,6 +398,7 @@ def _distributed(
     handle = (
         Trainer.builder(task.model_factory, task.optim_factory, step)
         .dataset(task.train)
+        .device("cpu")  # on the CPU, like the baselines it is compared with
         .batch_size(BATCH_SIZE)
         .num_epochs(options.epochs)
         .seed(options.seed)

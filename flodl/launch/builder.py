@@ -49,25 +49,46 @@ class ClusterBuilder:
     # shortcuts --------------------------------------------------------------------------------
     @classmethod
     def local(
-        cls, ranks: int, device: str = "cpu", *, port: int = DEFAULT_CONTROLLER_PORT
+        cls,
+        ranks: int,
+        device: str = "cpu",
+        *,
+        port: int = DEFAULT_CONTROLLER_PORT,
+        gpus: int | None = None,
     ) -> Cluster:
         """One worker on ``127.0.0.1`` with ``ranks`` devices: ``ranks × cpu`` for
-        ``device="cpu"``, ``cuda:0 … cuda:(ranks-1)`` for ``device="cuda"``; loopback
-        controller on ``port``.
+        ``device="cpu"``; for ``device="cuda"``, ``cuda:0 … cuda:(ranks-1)``, or with ``gpus``
+        (the GPUs visible) rank ``i`` on ``cuda:(i mod gpus)``, so more ranks than GPUs share
+        them; loopback controller on ``port``.
 
         Raises:
-            ConfigError: ``ranks`` below 1 or ``device`` not ``cpu``/``cuda``.
+            ConfigError: ``ranks`` or ``gpus`` below 1, or ``device`` not ``cpu``/``cuda``.
         """
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
             raise ConfigError(f"ClusterBuilder.local: ranks must be an integer ≥ 1, got {ranks!r}")
+        if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
+            raise ConfigError(f"ClusterBuilder.local: gpus must be an integer ≥ 1, got {gpus!r}")
         if device == "cpu":
             devices = ["cpu"] * ranks
         elif device == "cuda":
-            devices = [f"cuda:{i}" for i in range(ranks)]
+            devices = [f"cuda:{i % (gpus or ranks)}" for i in range(ranks)]
         else:
             raise ConfigError(
                 f"ClusterBuilder.local: device must be 'cpu' or 'cuda', got {device!r}"
             )
+        return cls.local_devices(devices, port=port)
+
+    @classmethod
+    def local_devices(
+        cls, devices: Iterable[str | int], *, port: int = DEFAULT_CONTROLLER_PORT
+    ) -> Cluster:
+        """One worker on ``127.0.0.1``, one rank per entry of ``devices`` (``cpu``,
+        ``cuda:N`` or ``N``; CPU and GPU ranks may mix, and a GPU may be listed more than
+        once), loopback controller on ``port``.
+
+        Raises:
+            ConfigError: an entry is not a device, or ``devices`` is empty.
+        """
         builder = cls().controller(DEFAULT_CONTROLLER_HOST).port(port).done()
         return builder.host(DEFAULT_CONTROLLER_HOST).devices(devices).done().build()
 

@@ -10,6 +10,7 @@ says which rank does the one-off work).
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import traceback
 from pathlib import Path
@@ -30,6 +31,7 @@ from flodl.launch.env import (
     read_secret,
     timeout_scale,
 )
+from flodl.rank.gpu import tier4_device
 from flodl.rank.runtime import RankSpec, run_rank
 from flodl.rank.snapshot import TrainedState
 from flodl.rank.step import TrainJob
@@ -38,8 +40,13 @@ from flodl.timeouts import Timeouts
 __all__ = ["rank_spec", "run_as_rank", "exit_launched_rank"]
 
 
-def rank_spec(heartbeat_timeout: float, save_path: str | None = None) -> RankSpec:
-    """This rank's addresses, secret and initial deadlines from the environment.
+def rank_spec(
+    heartbeat_timeout: float, save_path: str | None = None, device: str = "auto"
+) -> RankSpec:
+    """This rank's addresses, secret, device and initial deadlines from the environment.
+
+    The device is ``FLODL_DEVICE`` (a flodl launcher's placement), else ``device`` (the
+    ``TrainerConfig``'s) as :func:`~flodl.rank.gpu.tier4_device` resolves it.
 
     ``heartbeat_timeout`` (scaled by ``FLODL_NET_TIMEOUT_SCALE``) bounds only the connection and
     the handshake; from the coordinator's ``accept`` on, the rank obeys the deadlines it sends.
@@ -63,14 +70,14 @@ def rank_spec(heartbeat_timeout: float, save_path: str | None = None) -> RankSpe
         run_id=run_id,
         rank=rank,
         world_size=world,
-        device=os.environ.get(ENV_DEVICE, "cpu"),
+        device=os.environ.get(ENV_DEVICE) or tier4_device(device),
         timeouts=Timeouts.derive(heartbeat_timeout, timeout_scale()),
         stem=death_stem(run_id, save_path),
         threads=int(threads) if threads else None,
     )
 
 
-def run_as_rank(job: TrainJob, heartbeat_timeout: float) -> TrainerHandle:
+def run_as_rank(job: TrainJob, heartbeat_timeout: float, device: str = "auto") -> TrainerHandle:
     """Train as this process's rank, in the calling thread; a launched child never returns
     (it exits).
 
@@ -82,7 +89,7 @@ def run_as_rank(job: TrainJob, heartbeat_timeout: float) -> TrainerHandle:
         CoordinatorLost: the coordinator went silent or the connection broke.
         FlodlError: whatever else ended the rank (a failing ``train_step`` raises as is).
     """
-    spec = rank_spec(heartbeat_timeout, job.save_path)
+    spec = rank_spec(heartbeat_timeout, job.save_path, device)
     launched = is_launched()
     try:
         state = run_rank(spec, job)
@@ -123,6 +130,16 @@ def exit_launched_rank(state: TrainedState | None, rank: int) -> None:
 
 
 def _save_state(state: TrainedState, path: Path) -> None:
+    # a rank on another host than its launcher creates the directory (docs/design.md §2c), in
+    # a shared /tmp: it must be a directory of this user's that no one else may enter
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    found = os.lstat(path.parent)
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
+        raise OSError(
+            f"{path.parent} is not a private directory of this user (mode "
+            f"{stat.S_IMODE(found.st_mode):o}, owner {found.st_uid}): the final state is not "
+            "written there"
+        )
     tmp = path.with_name(path.name + ".tmp")
     torch.save(
         {"params": state.params, "buffers": state.buffers, "save_reason": state.save_reason}, tmp

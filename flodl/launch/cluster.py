@@ -17,8 +17,11 @@ Rules:
 * Devices are ``cpu``, ``cuda:N`` or a bare CUDA index ``N`` (stored as ``cuda:N``), or the
   word ``all`` for every GPU of that host. ``all`` stays unresolved in the model until the
   launcher knows the host's GPU count (:meth:`Cluster.resolve_all`); rank assignment needs it
-  resolved. A run uses one backend: cpu and cuda devices never mix.
-* ``nccl_socket_ifname`` is required on every worker when CUDA ranks span hosts.
+  resolved. CPU and CUDA devices may mix, and a GPU may be listed more than once (ranks that
+  share it): the CPU averaging modes train any placement; which placements a collective mode
+  refuses is :func:`flodl.placement.placement_problem`'s rule, applied by the launcher.
+* ``nccl_socket_ifname`` is required on every worker with CUDA devices when CUDA ranks span
+  hosts; the launcher exports it to that host's ranks as ``NCCL_SOCKET_IFNAME``.
 * User ``env`` maps may not set what the launcher sets (:data:`RESERVED_ENV_KEYS`, any
   ``FLODL_INTERNAL_*`` key, the device visibility masks).
 * Hosts are compared case-insensitively; ``localhost``, ``127.0.0.1`` and ``::1`` are one host
@@ -46,6 +49,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from flodl.errors import ConfigError
+from flodl.placement import Placement, device_kind
 
 __all__ = [
     "Cluster",
@@ -55,6 +59,7 @@ __all__ = [
     "RankSlot",
     "DeviceType",
     "CLUSTER_ENV_VAR",
+    "NCCL_IFNAME_ENV",
     "DEFAULT_CONTROLLER_HOST",
     "DEFAULT_CONTROLLER_PORT",
     "DEFAULT_SSH_PORT",
@@ -64,8 +69,10 @@ __all__ = [
     "reserved_env_reason",
 ]
 
-DeviceType = Literal["cpu", "cuda"]
+DeviceType = Literal["cpu", "cuda", "mixed"]
 
+NCCL_IFNAME_ENV = "NCCL_SOCKET_IFNAME"
+"""What a worker's ``nccl_socket_ifname`` is exported as to that host's ranks."""
 CLUSTER_ENV_VAR = "FLODL_INTERNAL_FULL_CLUSTER_JSON"
 """The variable through which the launcher hands :meth:`Cluster.to_env_json` to children."""
 DEFAULT_CONTROLLER_HOST = "127.0.0.1"
@@ -111,7 +118,10 @@ def reserved_env_reason(key: str) -> str | None:
     if key in RESERVED_ENV_KEYS:
         return f"{key} is reserved: the launcher sets it for every rank"
     if key in _VISIBILITY_MASKS:
-        return f"{key} is reserved: the launcher sets it from each worker's devices"
+        return (
+            f"{key} is reserved: each rank's device is one of its worker's devices (cuda:N "
+            "counts the GPUs visible on that host), and a mask here would renumber them"
+        )
     return None
 
 
@@ -153,10 +163,6 @@ _Port = Annotated[int, Field(strict=True, ge=0, le=65_535)]
 _SshPort = Annotated[int, Field(strict=True, ge=1, le=65_535)]
 
 
-def _device_kind(device: str) -> DeviceType:
-    return "cpu" if device == "cpu" else "cuda"
-
-
 def _normalize_device(index: int, raw: object) -> str:
     if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
         return f"cuda:{raw}"
@@ -180,13 +186,7 @@ def _normalize_devices(value: Any) -> Any:
         )
     if not value:
         raise _FieldError((), "must list at least one device (or be 'all')")
-    devices: list[str] = []
-    for index, raw in enumerate(value):
-        device = _normalize_device(index, raw)
-        if device != "cpu" and device in devices:
-            raise _FieldError((index,), f"{device!r} is listed twice")
-        devices.append(device)
-    return tuple(devices)
+    return tuple(_normalize_device(index, raw) for index, raw in enumerate(value))
 
 
 def _coerce_env(value: Any) -> Any:
@@ -283,12 +283,13 @@ class Worker(_Model):
         return _normalize_devices(value)
 
     @model_validator(mode="after")
-    def _one_backend(self) -> Self:
-        if self.devices != "all" and {_device_kind(d) for d in self.devices} == {"cpu", "cuda"}:
+    def _one_ifname(self) -> Self:
+        given = self.env.get(NCCL_IFNAME_ENV)
+        if self.nccl_socket_ifname is not None and given not in (None, self.nccl_socket_ifname):
             raise _FieldError(
-                ("devices",),
-                "mixes cpu and cuda devices: a run uses one backend, so list only cpu or only "
-                "cuda devices",
+                ("env", NCCL_IFNAME_ENV),
+                f"contradicts nccl_socket_ifname {self.nccl_socket_ifname!r} (the launcher "
+                f"exports that as {NCCL_IFNAME_ENV}); set one of them",
             )
         return self
 
@@ -299,9 +300,15 @@ class Worker(_Model):
 
     @property
     def device_type(self) -> DeviceType:
+        """``cpu``, ``cuda`` (``all`` too) or ``mixed``."""
         if self.devices == "all":
             return "cuda"
-        return _device_kind(self.devices[0])
+        kinds = {device_kind(d) for d in self.devices}
+        return "mixed" if len(kinds) > 1 else kinds.pop()
+
+    @property
+    def has_cuda(self) -> bool:
+        return self.device_type != "cpu"
 
     @property
     def ssh_target(self) -> str:
@@ -367,18 +374,9 @@ class Cluster(_Model):
                     f"{workers[first].host!r}); list each host once, with all its devices",
                 )
             seen[identity] = index
-        backend = workers[0].device_type
-        for index, worker in enumerate(workers):
-            if worker.device_type != backend:
-                raise _FieldError(
-                    ("workers", index, "devices"),
-                    f"cluster mixes cpu and cuda devices (workers[0] uses {backend}, "
-                    f"workers[{index}] uses {worker.device_type}): a run uses one backend, so "
-                    "make every device cpu or every device cuda",
-                )
-        if backend == "cuda" and len(workers) > 1:
+        if sum(worker.has_cuda for worker in workers) > 1:
             for index, worker in enumerate(workers):
-                if worker.nccl_socket_ifname is None:
+                if worker.has_cuda and worker.nccl_socket_ifname is None:
                     raise _FieldError(
                         ("workers", index),
                         "nccl_socket_ifname is required when CUDA ranks span hosts (name the "
@@ -428,8 +426,9 @@ class Cluster(_Model):
 
     @property
     def device_type(self) -> DeviceType:
-        """``cpu`` or ``cuda`` (validation guarantees one for the whole cluster)."""
-        return self.workers[0].device_type
+        """``cpu``, ``cuda`` or ``mixed`` (CPU and CUDA ranks in one run)."""
+        kinds = {worker.device_type for worker in self.workers}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
 
     @property
     def world_size(self) -> int:
@@ -457,6 +456,22 @@ class Cluster(_Model):
                 slots.append(RankSlot(len(slots), index, device))
         return slots
 
+    def placements(self, local_names: AbstractSet[str] = frozenset()) -> list[Placement]:
+        """Every rank's :class:`~flodl.placement.Placement` (hosts by identity, so every name
+        of this machine is one host).
+
+        Raises:
+            ConfigError: a worker's devices are still ``all``.
+        """
+        return [
+            Placement(
+                slot.rank,
+                _host_identity(self.workers[slot.worker_index].host, local_names),
+                slot.device,
+            )
+            for slot in self.ranks()
+        ]
+
     def ranks_of(self, worker_index: int) -> range:
         """The global ranks owned by ``workers[worker_index]``."""
         owned = [slot.rank for slot in self.ranks() if slot.worker_index == worker_index]
@@ -469,8 +484,13 @@ class Cluster(_Model):
         return tuple(self.workers[slot.worker_index].host for slot in self.ranks())
 
     def worker_env(self, worker_index: int) -> dict[str, str]:
-        """Cluster ``env`` overlaid with the worker's own."""
-        return {**self.env, **self.workers[worker_index].env}
+        """Cluster ``env`` overlaid with the worker's own, and ``NCCL_SOCKET_IFNAME`` from
+        the worker's ``nccl_socket_ifname``."""
+        worker = self.workers[worker_index]
+        env = {**self.env, **worker.env}
+        if worker.nccl_socket_ifname is not None:
+            env[NCCL_IFNAME_ENV] = worker.nccl_socket_ifname
+        return env
 
     def is_local(self, local_names: AbstractSet[str] = frozenset()) -> bool:
         """Whether every worker is this machine (see :meth:`Worker.is_local`)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import io
 import logging
 import os
 import queue
@@ -45,7 +46,7 @@ from flodl.coord.effects import (
     RunOver,
     WriteMeta,
 )
-from flodl.errors import FlodlError
+from flodl.errors import ConfigError, FlodlError
 from flodl.handle import TrainerHandle, training_stopped
 from flodl.launch.cluster import CLUSTER_ENV_VAR, Cluster, RankSlot
 from flodl.launch.env import (
@@ -67,7 +68,9 @@ from flodl.launch.env import (
     respawn_limit,
     timeout_scale,
 )
+from flodl.launch.gpus import detect_gpus
 from flodl.monitor.session import MonitorSession
+from flodl.placement import placement_problem
 from flodl.rank.snapshot import TrainedState
 from flodl.rank.step import TrainJob, timed_callback
 from flodl.service.bundles import BundleWriter, resume_from_bundle
@@ -86,12 +89,48 @@ STOP_GRACE_S = 5.0
 def launch(job: TrainJob, c: TrainerConfig, cluster: Cluster) -> TrainerHandle:
     """Start the run of ``job`` on ``cluster``; returns at once with its handle.
 
+    ``devices: all`` is resolved first (each such host's GPUs, by ``nvidia-smi`` here or over
+    ssh), then the placement is checked against the mode (:func:`placed`), all before any
+    rank process starts.
+
     Raises:
-        ConfigError: the configuration is invalid for this cluster.
+        ConfigError: the configuration is invalid for this cluster (a collective mode on mixed
+            devices or a shared GPU, a host with ``devices: all`` and no GPU, …).
         CheckpointError: ``resume_from`` names a missing, corrupt or foreign bundle.
         FlodlError: the coordinator failed to start.
     """
-    return _Launcher(job, c, cluster).start()
+    return _Launcher(job, c, placed(c, cluster, local_host_names())).start()
+
+
+def placed(c: TrainerConfig, cluster: Cluster, local_names: frozenset[str]) -> Cluster:
+    """``cluster`` with every ``devices: all`` resolved, checked for ``c``'s mode and world.
+
+    Raises:
+        ConfigError: as :func:`launch` says.
+    """
+    if not cluster.is_resolved:
+        counts: dict[str, int] = {}
+        for index, worker in enumerate(cluster.workers):
+            if worker.is_resolved:
+                continue
+            if worker.is_local(local_names):
+                counts[worker.host] = len(detect_gpus())
+            else:
+                from flodl.launch.ssh import ssh_gpus
+
+                counts[worker.host] = len(ssh_gpus(worker, cluster.worker_env(index)))
+            logger.info(
+                "workers[%d] %s: devices all = %d GPU(s)", index, worker.host, counts[worker.host]
+            )
+        cluster = cluster.resolve_all(counts)
+    try:
+        c.check_world(cluster.world_size)
+    except ValueError as exc:
+        raise ConfigError(f"invalid TrainerConfig for {cluster.world_size} ranks: {exc}") from None
+    problem = placement_problem(c.elche.traits, cluster.placements(local_names))
+    if problem is not None:
+        raise ConfigError(problem)
+    return cluster
 
 
 @dataclass
@@ -205,6 +244,9 @@ class _Launcher:
         )
         self.bundles.service = self.service
         self.run_dir = Path(tempfile.mkdtemp(prefix="flodl-"))
+        self.remote_final_dir = f"/tmp/flodl-final-{self.coord_cfg.run_id}"
+        """Where a rank on another host leaves its final state (the launcher fetches it over
+        ssh when no rank of this host delivered one, then removes the directory)."""
         self.death_stem = death_stem(self.coord_cfg.run_id, job.save_path)
         self.started_unix = int(time.time())  # noqa: TID251 - the death records' clock
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -315,6 +357,8 @@ class _Launcher:
                 ENV_DEVICE: slot.device,
                 ENV_THREADS: str(threads),
             }
+            if not self._is_local(slot):
+                env[ENV_FINAL_DIR] = self.remote_final_dir
             self._spawn_args.append((slot, env, inherited, prefix))
             self.procs.append(self._start_rank(slot.rank))
 
@@ -332,12 +376,15 @@ class _Launcher:
                 self.pumps.append(pump)
         return proc
 
+    def _is_local(self, slot: RankSlot) -> bool:
+        return self.cluster.workers[slot.worker_index].is_local(self.local_names)
+
     def _spawn(
         self, slot: RankSlot, env: dict[str, str], inherited: dict[str, str], *, piped: bool
     ) -> subprocess.Popen[bytes]:
         worker = self.cluster.workers[slot.worker_index]
         pipe = subprocess.PIPE if piped else None
-        if worker.is_local(self.local_names):
+        if self._is_local(slot):
             full = {**inherited, **env, ENV_SECRET: self.secret.hex()}
             return subprocess.Popen(_child_argv(), env=full, stdout=pipe, stderr=pipe)
         from flodl.launch.ssh import spawn_ssh
@@ -429,7 +476,7 @@ class _Launcher:
                 pump.join(timeout=STOP_GRACE_S)
             over = self.over_box[0] if self.over_box else None
             codes = [p.returncode for p in self.procs]
-            finals = _load_final(self.run_dir, codes)
+            finals = self._load_finals(codes)
             state = finals[0][1] if finals else None
             if over is None:
                 error = FlodlError("the coordinator stopped without ending the run")
@@ -455,6 +502,45 @@ class _Launcher:
                 self.monitor.close()  # the service stopped: every record is in; archive, stop
             shutil.rmtree(self.run_dir, ignore_errors=True)
         self.handle._finish(state, error)
+
+    def _load_finals(self, codes: list[int | None]) -> list[tuple[int, TrainedState]]:
+        """The final states the launcher holds: every rank of this host that delivered one;
+        when none did (the launcher runs no rank, or every local rank died), the lowest rank
+        elsewhere that finished, fetched over ssh. Every other host's final-state directory
+        is removed."""
+        slots = self.cluster.ranks()
+        local = [
+            code if self._is_local(slot) else None for slot, code in zip(slots, codes, strict=True)
+        ]
+        finals = _load_final(self.run_dir, local)
+        remote = sorted({slot.worker_index for slot in slots if not self._is_local(slot)})
+        if not remote:
+            return finals
+        from flodl.launch.ssh import ssh_fetch, ssh_remove
+
+        cleaned: set[int] = set()
+        if not finals:
+            for slot, code in zip(slots, codes, strict=True):
+                if self._is_local(slot) or code != 0:
+                    continue
+                worker = self.cluster.workers[slot.worker_index]
+                path = str(final_state_path(self.remote_final_dir, slot.rank))
+                try:
+                    data = ssh_fetch(worker, path, remove=self.remote_final_dir)
+                except ConfigError as exc:
+                    logger.warning("rank %d's final state: %s", slot.rank, exc)
+                    continue
+                finally:
+                    cleaned.add(slot.worker_index)
+                finals = [(slot.rank, _final_from_bytes(data))]
+                logger.info(
+                    "fetched rank %d's final state from %s over ssh", slot.rank, worker.host
+                )
+                break
+        for index in remote:
+            if index not in cleaned:
+                ssh_remove(self.cluster.workers[index], self.remote_final_dir)
+        return finals
 
     def _deaths(self) -> str:
         """What the ranks' death records say, for an error message."""
@@ -500,16 +586,22 @@ def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
         task.cancel()
 
 
+def _final_from_bytes(data: bytes | Path) -> TrainedState:
+    """A rank's final state as its :func:`~flodl.launch.child.exit_launched_rank` saved it."""
+    source: Any = data if isinstance(data, Path) else io.BytesIO(data)
+    saved: dict[str, Any] = torch.load(source, weights_only=True)
+    return TrainedState(list(saved["params"]), list(saved["buffers"]), saved["save_reason"])
+
+
 def _load_final(run_dir: Path, codes: list[int | None]) -> list[tuple[int, TrainedState]]:
-    """``(rank, final state)`` of every rank that delivered one, ascending; the first has
+    """``(rank, final state)`` of every rank that delivered one into ``run_dir`` (``codes``:
+    each rank's exit code, ``None`` for a rank not to read), ascending; the first has
     ``replicas_agree`` set when several did."""
     finals: list[tuple[int, TrainedState]] = []
     for rank, code in enumerate(codes):
         path = final_state_path(run_dir, rank)
         if code == 0 and path.exists():
-            data: dict[str, Any] = torch.load(path, weights_only=True)
-            state = TrainedState(list(data["params"]), list(data["buffers"]), data["save_reason"])
-            finals.append((rank, state))
+            finals.append((rank, _final_from_bytes(path)))
     if len(finals) > 1:
         first = finals[0][1]
         first.replicas_agree = all(

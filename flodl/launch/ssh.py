@@ -57,10 +57,14 @@ from typing import IO, Any
 from flodl.errors import ConfigError
 from flodl.launch.cluster import DEFAULT_SSH_PORT, Worker
 from flodl.launch.env import ENV_SECRET, ENV_SECRET_STDIN, MIN_SECRET_BYTES
+from flodl.launch.gpus import QUERY, GpuInfo, parse_nvidia_smi
 
 __all__ = [
     "ssh_command",
     "spawn_ssh",
+    "ssh_gpus",
+    "ssh_fetch",
+    "ssh_remove",
     "EXIT_BAD_WORKER_PATH",
     "SSH_DEFAULT_OPTIONS",
 ]
@@ -173,6 +177,73 @@ def spawn_ssh(
         with contextlib.suppress(BrokenPipeError):
             pipe.close()
     return proc
+
+
+SSH_CALL_TIMEOUT_S = 60.0
+"""How long a one-off ssh call (a GPU probe, a final-state fetch) may take."""
+
+
+def _one_off(worker: Worker, argv: Sequence[str], env: Mapping[str, str], what: str) -> bytes:
+    """Run ``argv`` on ``worker`` over ssh to its end; its stdout.
+
+    Raises:
+        ConfigError: ssh or the command failed or timed out (the message says which and
+            quotes the end of its stderr).
+    """
+    command = ssh_command(worker, argv, env, secret_via_stdin=False)
+    try:
+        done = subprocess.run(
+            command,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=SSH_CALL_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise ConfigError(
+            f"{what} on {worker.host} over ssh took longer than {SSH_CALL_TIMEOUT_S:.0f} s"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"{what} on {worker.host}: cannot run ssh: {exc}") from None
+    if done.returncode != 0:
+        err = done.stderr.decode(errors="replace").strip()[-500:]
+        raise ConfigError(
+            f"{what} on {worker.host} over ssh failed (exit status {done.returncode})"
+            + (f": {err}" if err else "")
+        )
+    return done.stdout
+
+
+def ssh_gpus(worker: Worker, env: Mapping[str, str]) -> list[GpuInfo]:
+    """The GPUs ``nvidia-smi`` shows on ``worker``, asked over ssh in the environment its
+    ranks will have (``env``: the worker's env, whose ``PATH`` may name where nvidia-smi is).
+
+    Raises:
+        ConfigError: ssh or nvidia-smi failed (a host without nvidia-smi says so).
+    """
+    out = _one_off(worker, ["nvidia-smi", *QUERY], env, "probing the GPUs (nvidia-smi)")
+    return parse_nvidia_smi(out.decode(errors="replace"))
+
+
+def ssh_fetch(worker: Worker, path: str, *, remove: str | None = None) -> bytes:
+    """The bytes of the file ``path`` on ``worker`` (``cat`` over ssh); then, if ``remove``
+    is given, that directory is removed there (also when the file is missing).
+
+    Raises:
+        ConfigError: ssh failed or the file could not be read.
+    """
+    script = 'cat -- "$1"; status=$?; if [ -n "$2" ]; then rm -rf -- "$2"; fi; exit $status'
+    argv = ["sh", "-c", script, "flodl-fetch", path, remove or ""]
+    return _one_off(worker, argv, {}, f"fetching {path}")
+
+
+def ssh_remove(worker: Worker, directory: str) -> None:
+    """Remove ``directory`` on ``worker`` over ssh; a failure is logged, never raised (it
+    only leaves a file behind)."""
+    try:
+        _one_off(worker, ["rm", "-rf", "--", directory], {}, f"removing {directory}")
+    except ConfigError as exc:
+        logger.warning("%s", exc)
 
 
 # internals ------------------------------------------------------------------------------------

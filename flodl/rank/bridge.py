@@ -219,6 +219,7 @@ class RankBridge:
         self._rank = hello.rank
         self._heartbeat_s = float(heartbeat_s)
         self._resource_s = resource_s
+        self._probe = ResourceProbe(hello.rank, hello.device or "cpu") if resource_s else None
         self._liveness_timeout_s = float(liveness_timeout_s)
         self._connect_timeout_s = float(connect_timeout_s)
         self._hard_exit_grace_s = None if hard_exit_grace_s is None else float(hard_exit_grace_s)
@@ -623,9 +624,20 @@ class RankBridge:
             self._log.debug("heartbeat step=%d", step)
             await asyncio.sleep(self._heartbeat_s)
 
+    def send_resource_sample(self) -> None:
+        """One ``resource_sample`` now (a rank sends its last one as it finishes, so a run
+        shorter than the interval has one too); never raises."""
+        if self._probe is None or self._lost.is_set() or self._closing:
+            return
+        try:
+            self.send(self._probe.sample())
+        except Exception:  # noqa: BLE001 - a sample is never worth a failing rank
+            self._log.exception("the final resource sample failed")
+
     async def _resource_loop(self, every_s: float) -> None:
         """A ``resource_sample`` every ``every_s`` (docs/design.md §7); never fails the rank."""
-        probe = ResourceProbe(self._rank, self._hello.device or "cpu")
+        probe = self._probe
+        assert probe is not None
         while not self._lost.is_set():
             await asyncio.sleep(every_s)
             try:

@@ -31,6 +31,7 @@ import contextlib
 import logging
 import math
 import os
+import socket
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -45,6 +46,7 @@ from flodl.errors import CollectiveFailed, CoordinatorLost, FlodlError, RunStopp
 from flodl.outer import OuterStep
 from flodl.rank.bridge import RankBridge
 from flodl.rank.collectives import divergence
+from flodl.rank.gpu import gpu_identity
 from flodl.rank.protocol import (
     Answer,
     PeerDead,
@@ -191,12 +193,15 @@ class RankLoop:
         restore_bundle(job, self.model, self.optim, spec.rank, self.outer)
         self.scheduler = job.scheduler_fn(spec.world_size) if job.scheduler_fn else None
         self.lr_scale = 1.0 + (spec.world_size - 1) * job.lr_scale_ratio
+        gpu = gpu_identity(self.device)
         hello = Hello(
             run_id=spec.run_id,
             rank=spec.rank,
             world_size=spec.world_size,
             model_signature=model_signature(self.model),
+            host=socket.gethostname()[:255],
             device=spec.device,
+            gpu=gpu.uuid if gpu is not None else None,
             job=job.description,
         )
         self.bridge = RankBridge(
@@ -693,6 +698,8 @@ class RankLoop:
             state.params = [c.to("cpu", copy=True) for c in self.consensus]
         if self.chaos is not None:
             state.params = self.chaos.final_params(state.params)
+        if self.bridge is not None:
+            self.bridge.send_resource_sample()
         self._send(Exiting(rank=self.spec.rank))
         return state
 

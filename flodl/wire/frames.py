@@ -96,10 +96,11 @@ __all__ = [
     "COORD_FRAME_KINDS",
 ]
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Version of the control protocol, in every ``hello`` and in the server's challenge; bumped on
-any incompatible change of a frame, of the codec or of the handshake. 5: ``hello.job`` (the
-ranks bring the job description); 4: ``revoke_partition`` /
+any incompatible change of a frame, of the codec or of the handshake. 6: ``hello.gpu`` (the
+physical GPU behind a CUDA rank's device) and ``resource_sample.device`` / ``gpu_name``;
+5: ``hello.job`` (the ranks bring the job description); 4: ``revoke_partition`` /
 ``partition_revoked`` (a whole-epoch partition re-split for a rank that joins mid-epoch) and
 ``sync_now.heal`` (the outer optimizer's state copied to a rejoined rank); 3: a
 per-connection key from nonces both ways (:mod:`flodl.wire.control_hello`); 2 keyed frames with
@@ -210,6 +211,10 @@ class Hello(_Frame):
     role: Role = "rank"
     host: Annotated[str, StringConstraints(max_length=255)] = ""
     device: Annotated[str, StringConstraints(max_length=64)] = "cpu"
+    gpu: Annotated[str, StringConstraints(max_length=96)] | None = None
+    """The physical GPU behind a CUDA ``device`` (its UUID, ``GPU-…``), which tells ranks
+    apart whose ``CUDA_VISIBLE_DEVICES`` differ; ``None`` on a CPU rank (docs/design.md §2c,
+    "Devices")."""
     job: JobSpec | None = None
     """What the rank trains (docs/design.md §2c, "The ranks bring the job"): the first
     rank's defines a standalone coordinator's job, every other rank must bring the same;
@@ -341,7 +346,13 @@ class ResourceSample(_Frame):
     ram_total: Count
     gpu_util_percent: Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)] | None = None
     vram_allocated: Count | None = None
+    """Bytes torch has allocated on the rank's GPU."""
+    vram_reserved: Count | None = None
+    """Bytes torch's caching allocator holds on the rank's GPU (allocated and cached)."""
     vram_total: Count | None = None
+    device: Annotated[str, StringConstraints(max_length=64)] | None = None
+    """The rank's device (``cpu``, ``cuda:N``)."""
+    gpu_name: Annotated[str, StringConstraints(max_length=96)] | None = None
 
 
 class PartitionRevoked(_Frame):

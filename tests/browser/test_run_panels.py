@@ -120,7 +120,10 @@ def run_records(*, hosts: bool) -> list[dict[str, Any]]:
             "ram_total": 8 * 2**30,
             "gpu_util_percent": 64.0,
             "vram_allocated": 5 * 2**30,
+            "vram_reserved": 6 * 2**30,
             "vram_total": 24 * 2**30,
+            "device": "cuda:0",
+            "gpu_name": "NVIDIA L4",
         },
     )
     rows = [
@@ -226,7 +229,8 @@ def assert_panels(dom: str, *, evals: int = 3) -> None:
     resources = element(dom, "table", "resources")
     assert len(rows(resources, "resource-row")) == 2
     assert "97.5 %" in resources and "3.0 GiB / 16.0 GiB" in resources
-    assert "64.0 %" in resources and "5.0 GiB / 24.0 GiB" in resources
+    assert "64.0 %" in resources and "5.0 GiB / 24.0 GiB (held 6.0 GiB)" in resources
+    assert "cuda:0 · NVIDIA L4" in resources
     assert "no resource samples" not in resources
 
     # contribution: the advice per rank, evict highlighted with its reason

@@ -61,7 +61,9 @@ def assert_run_rendered(dom: str, sampled: set[str] | None = None) -> None:
     }
     assert 'data-change="formed"' in element(dom, "table", "roster")
     resources = element(dom, "table", "resources")
-    drawn = set(re.findall(r"<td>(rank\d+)</td><td>[\d.]+ %</td>", resources))
+    drawn = set(
+        re.findall(r'<td>(rank\d+)</td><td class="wrap">cpu</td><td>[\d.]+ %</td>', resources)
+    )
     if sampled is None:
         assert drawn <= {"rank0", "rank1"} and (drawn or "no resource samples" in resources)
     else:
@@ -156,6 +158,7 @@ def test_live_dashboard_during_a_two_rank_run_and_the_saved_file_after(
         for rec in archived(html)
         if rec["kind"] == "resource" and rec["data"].get("cpu_percent") is not None
     }
+    assert sampled == {"rank0", "rank1"}  # each rank sends a last sample as it finishes
     assert_run_rendered(file_dom, sampled)
     assert browser.console_errors() == []
     final_shot = browser.screenshot(saved.as_uri(), tmp_path / "saved.png")

@@ -459,3 +459,61 @@ def tagged(tag: str) -> list[int]:
             if tag.encode() in line and alive(int(entry)):
                 found.append(int(entry))
     return found
+
+
+def remote_only_cluster(tmp_path: Path, sshd: Sshd, repo: Path) -> Path:
+    """A cluster whose only worker is the "other host" (over ``sshd``): the launcher's host
+    runs no rank, it only coordinates."""
+    text = two_host_cluster(tmp_path, sshd, repo).read_text()
+    local = "    - host: localhost\n      devices: [cpu]\n"
+    assert local in text
+    yml = tmp_path / "remote-only.yml"
+    yml.write_text(text.replace(local, "").replace("devices: [cpu]", "devices: [cpu, cpu]"))
+    return yml
+
+
+@pytest.mark.timeout(150)
+def test_a_launcher_that_runs_no_rank_still_receives_the_final_state(
+    sshd: Sshd, tmp_path: Path
+) -> None:
+    """Both ranks run on the ssh "host"; each leaves its final state in a directory of its
+    own host, and the launcher fetches the lowest rank's over ssh, then removes the directory
+    there (it never reads the run directory it gave local ranks)."""
+    before = set(Path("/tmp").glob("flodl-final-*"))
+    yml = remote_only_cluster(tmp_path, sshd, REPO)
+    out = launch(yml, "ssh-coord-only", "--ranks", "1", "--epochs", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "DONE params=4 world=2" in out.stdout
+    assert "[rank 0] process rank=0" in out.stdout and "[rank 1] process rank=1" in out.stdout
+    assert set(Path("/tmp").glob("flodl-final-*")) == before  # removed on the worker host
+
+
+def test_devices_all_is_probed_over_ssh_with_nvidia_smi(sshd: Sshd, tmp_path: Path) -> None:
+    """``devices: all`` on an ssh host: the launcher runs nvidia-smi there, in the environment
+    the host's ranks get (its ``env`` names where a fake nvidia-smi is), and assigns a rank
+    per GPU it shows; a host where it cannot run is a ConfigError saying so."""
+    import torch
+
+    from flodl import ConfigError, TensorBatchDataset, TrainerConfig
+    from flodl.launch.cluster import Cluster
+    from flodl.launch.launcher import placed
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\nprintf '0, GPU-a, NVIDIA L4, 23034\\n1, GPU-b, NVIDIA L4, 23034\\n'\n"
+    )
+    smi.chmod(0o755)
+    worker = sshd.worker().model_dump()
+    config = TrainerConfig(dataset=TensorBatchDataset(torch.zeros(64, 2)))
+
+    def cluster(path: str) -> Cluster:
+        box = {**worker, "host": "gpubox", "devices": "all", "env": {"PATH": path}}
+        box["ssh"] = {**box["ssh"], "target": "127.0.0.1"}
+        return Cluster.from_mapping({"workers": [box]})
+
+    resolved = placed(config, cluster(f"{bin_dir}:/usr/bin:/bin"), frozenset())
+    assert [s.device for s in resolved.ranks()] == ["cuda:0", "cuda:1"]
+    with pytest.raises(ConfigError, match=r"probing the GPUs \(nvidia-smi\) on gpubox over ssh"):
+        placed(config, cluster("/nonexistent"), frozenset())

@@ -22,7 +22,7 @@ def train(loss_fn: Loss, *, samples: int, epochs: int, mode: str, **config: Any)
     return Trainer.run(
         lambda device: torch.nn.Sequential(
             torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
-        ),
+        ).to(device),
         lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
         loss_fn,
         TrainerConfig(

@@ -3,7 +3,8 @@
 The launcher re-executes this very script per rank (``--tag`` lets the test find every process
 of one run). ``--crash-rank R --crash-step S`` makes rank R raise in train_step at step S;
 ``--lr-drop-at S`` gives every rank a ``scheduler_fn`` that cuts the LR 10× from step S;
-``--heartbeat-timeout T`` sets the run's one timeout knob.
+``--heartbeat-timeout T`` sets the run's one timeout knob; ``--show-env NAME`` prints a
+variable in every process.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main() -> None:
     p.add_argument("--heartbeat-timeout", type=float, default=None)
     p.add_argument("--respawn", type=int, default=0)
     p.add_argument("--slow-ms", type=float, default=0.0, help="sleep per step")
+    p.add_argument("--show-env", action="append", default=[], help="print this variable")
     args = p.parse_args()
     restart = int(os.environ.get("FLODL_RESTART_COUNT", "0"))  # set in a respawned rank
     print(
@@ -38,6 +40,8 @@ def main() -> None:
         + (f" restart={restart}" if restart else ""),
         flush=True,
     )
+    for name in args.show_env:
+        print(f"env {name}={os.environ.get(name)}", flush=True)
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.samples, 16, generator=g)

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "flodl.errors",
             "flodl.checks",
             "flodl.modes",
+            "flodl.placement",
             "flodl.timeouts",
             "flodl.sampling",
             "flodl.config",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,21 +51,63 @@ def test_detect_gpus_is_empty_without_nvidia_smi_or_on_failure(tmp_path: Path) -
     assert detect_gpus(fake_smi(tmp_path, OUTPUT, code=9)) == []
 
 
-def test_cuda_device_auto_promotes_to_one_rank_per_visible_gpu(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def placement(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, cuda_built: bool = True, **config: Any
+) -> tuple[list[str] | None, str]:
+    """What ``Trainer.run`` would start for this config on a host whose nvidia-smi shows
+    :data:`OUTPUT`: each rank's device (``None``: in process) and the single device."""
     import torch
 
     from flodl.data import TensorBatchDataset
-    from flodl.trainer import TrainerConfig, _resolve_cluster
+    from flodl.trainer import TrainerConfig, _placement
 
-    env = fake_smi(tmp_path, OUTPUT)
-    monkeypatch.setenv("PATH", env["PATH"])
+    monkeypatch.setenv("PATH", fake_smi(tmp_path, OUTPUT)["PATH"])
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: cuda_built)
     ds = TensorBatchDataset(torch.zeros(64, 2))
-    cluster = _resolve_cluster(TrainerConfig(dataset=ds, device="cuda"))
-    assert cluster is not None
-    assert [s.device for s in cluster.ranks()] == ["cuda:0", "cuda:1", "cuda:2"]
+    cluster, device = _placement(TrainerConfig(dataset=ds, **config))
+    return (None if cluster is None else [s.device for s in cluster.ranks()]), device
+
+
+ALL3 = ["cuda:0", "cuda:1", "cuda:2"]
+
+
+def test_auto_and_cuda_promote_to_one_rank_per_visible_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert placement(monkeypatch, tmp_path) == (ALL3, "cuda")  # device auto, the default
+    assert placement(monkeypatch, tmp_path, device="cuda") == (ALL3, "cuda")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
-    assert _resolve_cluster(TrainerConfig(dataset=ds, device="cuda")) is None  # one GPU: in process
+    assert placement(monkeypatch, tmp_path) == (None, "cuda")  # one GPU: in process
+    assert placement(monkeypatch, tmp_path, device="cuda") == (None, "cuda")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert placement(monkeypatch, tmp_path) == (None, "cpu")  # none visible
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert _resolve_cluster(TrainerConfig(dataset=ds, device="cpu")) is None  # CPU never promotes
+    # a CPU build of torch cannot use the GPUs nvidia-smi shows: auto stays on the CPU
+    assert placement(monkeypatch, tmp_path, cuda_built=False) == (None, "cpu")
+
+
+def test_cpu_and_an_indexed_gpu_never_promote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert placement(monkeypatch, tmp_path, device="cpu") == (None, "cpu")
+    assert placement(monkeypatch, tmp_path, device="cuda:1") == (None, "cuda:1")
+    assert placement(monkeypatch, tmp_path, device="cpu", ranks=2) == (["cpu", "cpu"], "cpu")
+
+
+def test_local_ranks_take_a_gpu_each_or_share_them_with_cuda(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert placement(monkeypatch, tmp_path, ranks=2) == (["cuda:0", "cuda:1"], "cuda")
+    # more ranks than GPUs: auto keeps them on the CPU, cuda shares the GPUs round-robin
+    assert placement(monkeypatch, tmp_path, ranks=4) == (["cpu"] * 4, "cpu")
+    shared = ["cuda:0", "cuda:1", "cuda:2", "cuda:0"]
+    assert placement(monkeypatch, tmp_path, ranks=4, device="cuda") == (shared, "cuda")
+    assert placement(monkeypatch, tmp_path, ranks=1) == (None, "cuda")
+
+
+def test_local_devices_mix_cpu_and_gpu_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    got = placement(monkeypatch, tmp_path, local_devices=["cuda:0", "cpu", 0])
+    assert got == (["cuda:0", "cpu", "cuda:0"], "cpu")
+    assert placement(monkeypatch, tmp_path, local_devices=["cuda:1"]) == (None, "cuda:1")

@@ -167,6 +167,7 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
         role="worker",
         host="node-7.cluster",
         device="cuda:1",
+        gpu="GPU-5f1c3b2a-0d4e-4f6a-9b8c-7e6d5c4b3a21",
         job=JOB,
     ),
     "heartbeat": lambda: Heartbeat(rank=3, step=1_234_567),
@@ -221,7 +222,10 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
         ram_total=64 << 30,
         gpu_util_percent=87.5,
         vram_allocated=20 << 30,
+        vram_reserved=24 << 30,
         vram_total=80 << 30,
+        device="cuda:1",
+        gpu_name="NVIDIA H200",
     ),
     "partition_revoked": lambda: PartitionRevoked(
         rank=2, epoch=1, partition_offset=640, partition_size=320, revoked_size=192
