@@ -64,6 +64,7 @@ def run_one(mode: str, ranks: int, seed: int, epochs: int, samples: int) -> dict
     builder = (
         Trainer.builder(task.model_factory, task.optim_factory, task.train_step)
         .dataset(task.train)
+        .device("cpu")  # on the CPU, like the baselines it is compared with
         .batch_size(BATCH_SIZE)
         .num_epochs(epochs)
         .seed(seed)

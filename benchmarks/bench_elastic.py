@@ -135,6 +135,7 @@ def flodl_job(spec_path: str) -> None:
     handle = (
         Trainer.builder(task.model_factory, task.optim_factory, task.train_step)
         .dataset(task.train)
+        .device("cpu")  # on the CPU, like the baselines it is compared with
         .batch_size(spec["batch_size"])
         .num_epochs(spec["epochs"])
         .elche(ElCheConfig.preset(spec["mode"]))

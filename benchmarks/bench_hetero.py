@@ -161,6 +161,7 @@ def flodl_job(spec_path: str) -> None:
     handle = (
         Trainer.builder(task.model_factory, task.optim_factory, step)
         .dataset(task.train)
+        .device("cpu")  # on the CPU, like the baselines it is compared with
         .batch_size(spec["batch_size"])
         .num_epochs(1)
         .elche(ElCheConfig.preset(spec["mode"]))

@@ -69,6 +69,7 @@ def flodl_single(task: Any, epochs: int) -> float:
     (
         Trainer.builder(task.model_factory, task.optim_factory, task.train_step)
         .dataset(task.train)
+        .device("cpu")  # on the CPU, like the baselines it is compared with
         .batch_size(BATCH_SIZE)
         .num_epochs(epochs)
         .seed(SEED)
@@ -115,6 +116,7 @@ def one_flodl(samples: int, epochs: int) -> dict[str, Any]:
     (
         Trainer.builder(task.model_factory, task.optim_factory, task.train_step)
         .dataset(task.train)
+        .device("cpu")  # on the CPU, like the baselines it is compared with
         .batch_size(BATCH_SIZE)
         .num_epochs(epochs)
         .seed(SEED)

@@ -87,6 +87,7 @@ def job(mode: str, rig: str, samples: int, epochs: int, records: str) -> None:
     (
         Trainer.builder(task.model_factory, task.optim_factory, step)
         .dataset(task.train)
+        .device("cpu")  # on the CPU, like the baselines it is compared with
         .batch_size(BATCH_SIZE)
         .num_epochs(epochs)
         .seed(0)

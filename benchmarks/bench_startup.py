@@ -88,6 +88,7 @@ def flodl_job(spec: dict[str, Any]) -> None:
     handle = (
         Trainer.builder(task.model_factory, task.optim_factory, step)
         .dataset(task.train)
+        .device("cpu")  # on the CPU, like the baselines it is compared with
         .batch_size(spec["batch_size"])
         .num_epochs(1)
         .elche(ElCheConfig.preset("cpu_cadence"))

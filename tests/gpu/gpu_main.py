@@ -41,7 +41,6 @@ def main() -> None:
     p.add_argument("--cpu-slow-ms", type=float, default=0.0)
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=0)
-    p.add_argument("--heartbeat-timeout", type=float)
     args = p.parse_args()
 
     g = torch.Generator().manual_seed(0)
@@ -91,8 +90,6 @@ def main() -> None:
         builder = builder.resume_from(args.resume)
     if args.records:
         builder = builder.record_log(args.records)
-    if args.heartbeat_timeout:
-        builder = builder.heartbeat_timeout(args.heartbeat_timeout)
     metrics: list[EpochMetrics] = []
     builder = builder.metrics_fn(metrics.append)
     handle = builder.run()

@@ -1,5 +1,5 @@
-"""The docs sections that bench_recovery, bench_convergence, bench_overhead and bench_elastic
-render from their JSON: each result file is assembled by the script's own ``report`` from
+"""The docs sections that bench_recovery, bench_convergence, bench_overhead, bench_elastic and
+bench_gpu render from their JSON: each result file is assembled by the script's own ``report`` from
 synthetic per-trial rows, written and read back as JSON, and its section must show the figures
 and the met / not-met verdicts those rows give. Nothing here trains, spawns or times anything."""
 
@@ -343,3 +343,71 @@ def test_elastic_markdown_not_met(
         "within its own target (not: cpu_cadence)"
     ) in text
     assert "cpu_cadence 2.50 s (target 2.15 s)" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_gpu
+# ---------------------------------------------------------------------------------------------
+
+
+def gpu_run(devices: list[str], ms: list[float], samples: list[int], **kw: Any) -> dict[str, Any]:
+    total = sum(samples)
+    return {
+        "devices": devices,
+        "parameters": 2_201_729,
+        "ms_per_batch": ms,
+        "samples": samples,
+        "share": [s / total for s in samples],
+        "train_s": kw.get("train_s", 1.0),
+        "wall_s": 12.0,
+        "span_s": 6.0,
+        "loss": 2.3,
+        "cycles": kw.get("cycles", 0),
+        "averaging_ms_median": kw.get("averaging"),
+        "averaging_ms_max": kw.get("averaging_max"),
+    }
+
+
+def test_bench_gpu_section_shows_each_run_and_the_mixed_runs_balance(
+    bench: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = header(bench, "bench_gpu", "torch")
+    data |= {"gpus": 1, "gpu_name": "NVIDIA H200", "samples": 6400, "not_run": {"nccl": "2 GPUs"}}
+    data["runs"] = {
+        "solo-cpu": gpu_run(["cpu"], [6.0], [6400], train_s=0.6),
+        "solo-gpu": gpu_run(["cuda:0"], [2.0], [6400], train_s=0.2),
+        "mixed": gpu_run(
+            ["cuda:0", "cpu"],
+            [2.0, 6.0],
+            [4800, 1600],
+            train_s=0.3,
+            cycles=4,
+            averaging=15.0,
+            averaging_max=200.0,
+        ),
+        "shared-big": {"error": "exit 1: CUDA out of memory"},
+    }
+    text = via_json(bench, tmp_path, capsys, "bench_gpu", data)
+    assert "## The GPU path (`python benchmarks/bench_gpu.py --trials 1`)" in text
+    assert "1 × NVIDIA H200" in text
+    assert (
+        "| mixed | cuda:0 + cpu | 2.2 M | 2.00 / 6.00 | 0.75 / 0.25 | 0.30 | 12.0 | 4 | 15.0 |"
+        in text
+    )
+    assert "| shared-big | failed | exit 1: CUDA out of memory |" in text
+    assert "takes 3.0× less time on the GPU" in text
+    assert "trained 75% of the samples; its measured speed alone (2.00 against 6.00 ms" in text
+    assert "would give it 75%" in text
+    # 100 batches at 1/2 + 1/6 batch per ms: 150 ms; the run took 0.30 s
+    assert "train the epoch in 0.15 s; the run took 0.30 s (0.50 of that bound" in text
+    assert "1.50× the GPU alone's" in text
+    assert "Not run: nccl (2 GPUs)." in text
+
+
+def test_bench_gpu_section_without_cuda_says_nothing_was_measured(
+    bench: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = header(bench, "bench_gpu", "torch") | {"gpus": 0, "samples": 6400, "runs": {}}
+    data["not_run"] = {}
+    text = via_json(bench, tmp_path, capsys, "bench_gpu", data)
+    assert "No CUDA device was visible: nothing was measured." in text
