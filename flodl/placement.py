@@ -21,7 +21,14 @@ from typing import Literal
 
 from flodl.modes import MODE_TRAITS, ModeTraits
 
-__all__ = ["DeviceKind", "Placement", "device_kind", "cpu_averaging_modes", "placement_problem"]
+__all__ = [
+    "DeviceKind",
+    "Placement",
+    "device_kind",
+    "gpu_key",
+    "cpu_averaging_modes",
+    "placement_problem",
+]
 
 DeviceKind = Literal["cpu", "cuda"]
 
@@ -61,7 +68,8 @@ class Placement:
         return f"{self.device} of host {self.host!r}" if self.host else self.device
 
 
-def _gpu_key(p: Placement) -> tuple[str, str]:
+def gpu_key(p: Placement) -> tuple[str, str]:
+    """What names ``p``'s GPU: its UUID where known, else its host and device string."""
     if p.gpu:
         return ("", p.gpu)  # a UUID names one GPU anywhere
     return (p.host, p.device)
@@ -89,7 +97,7 @@ def placement_problem(traits: ModeTraits, placements: Sequence[Placement]) -> st
         return None
     seen: dict[tuple[str, str], Placement] = {}
     for p in placements:
-        earlier = seen.setdefault(_gpu_key(p), p)
+        earlier = seen.setdefault(gpu_key(p), p)
         if earlier is not p:
             if earlier.device == p.device:
                 both = f"ranks {earlier.rank} and {p.rank} are both on {p.where()}"

@@ -26,7 +26,7 @@ from flodl.coord.cycle import Sessions
 from flodl.coord.effects import Effect, Send
 from flodl.coord.liveness import Liveness, RankState, unrecoverable_reason
 from flodl.modes import ModeTraits
-from flodl.placement import Placement, placement_problem
+from flodl.placement import Placement, gpu_key, placement_problem
 from flodl.timeouts import Timeouts
 from flodl.wire.frames import (
     PROTOCOL_VERSION,
@@ -79,6 +79,10 @@ class Membership:
         self.devices: list[int | None] = [None] * world_size
         self.placements: list[Placement | None] = [None] * world_size
         """Where each rank that said hello runs (its latest incarnation)."""
+        self._by_kind: dict[str, set[int]] = {"cpu": set(), "cuda": set()}
+        self._by_gpu: dict[tuple[str, str], set[int]] = {}
+        """Ranks by device kind and by GPU (dead ones too: a lookup skips them), so checking
+        a hello costs O(1), not a pass over the live ranks."""
         self.unrecovered: list[int] = []
         """Ranks declared dead since the last finalized cycle."""
         self.incarnations = [0] * world_size
@@ -178,18 +182,39 @@ class Membership:
             )
         job = self.job or hello.job
         traits = self.traits or (job.elche.traits if job is not None else None)
-        if traits is not None:
-            live = [self.placements[r] for r in self.alive() if r != hello.rank]
-            others = [p for p in live if p is not None]
-            problem = placement_problem(traits, [*others, placed_at(hello)])
+        if traits is not None and not traits.cpu_averaging:
+            problem = self._placement_refusal(traits, placed_at(hello))
             if problem is not None:
                 return f"rank {hello.rank} cannot join: {problem}"
         return None
 
+    def _placement_refusal(self, traits: ModeTraits, new: Placement) -> str | None:
+        """:func:`~flodl.placement.placement_problem` of ``new`` beside the live ranks: a
+        live rank on the other device kind, or one on ``new``'s GPU, is all it can object to."""
+        other_kind = "cuda" if new.kind == "cpu" else "cpu"
+        candidates = [self._by_kind[other_kind]]
+        if new.kind == "cuda":
+            candidates.append(self._by_gpu.get(gpu_key(new), set()))
+        for ranks in candidates:
+            for r in ranks:
+                held = self.placements[r]
+                if r != new.rank and held is not None and self.is_alive(r):
+                    return placement_problem(traits, [held, new])
+        return None
+
     def place(self, hello: Hello) -> None:
         """Remember where an admitted rank runs (the placement rule reads it)."""
-        if hello.role != "supervisor":
-            self.placements[hello.rank] = placed_at(hello)
+        if hello.role == "supervisor":
+            return
+        rank = hello.rank
+        old = self.placements[rank]
+        if old is not None:
+            self._by_kind[old.kind].discard(rank)
+            self._by_gpu.get(gpu_key(old), set()).discard(rank)
+        new = self.placements[rank] = placed_at(hello)
+        self._by_kind[new.kind].add(rank)
+        if new.kind == "cuda":
+            self._by_gpu.setdefault(gpu_key(new), set()).add(rank)
 
     def accept(self, hello: Hello, *, running: bool = False) -> Accept:
         """The reply that admits ``hello`` (the shell adds the data and store ports);

@@ -255,3 +255,20 @@ def test_the_coordinator_admits_mixed_and_shared_placements_in_cpu_modes(mode: s
     coord.handle(hello(0, "cuda:0", "GPU-7"), 0.0)
     effects = coord.handle(hello(1, "cuda:0", "GPU-7"), 0.1)
     assert not any(isinstance(e, RefusePeer) for e in effects)
+
+
+def test_a_dead_ranks_gpu_is_free_again_and_a_rank_never_conflicts_with_itself() -> None:
+    from flodl.coord.membership import Membership
+    from flodl.timeouts import Timeouts
+
+    m = Membership(3, "run", Timeouts(), traits=traits_of("nccl_cadence"))
+    first = hello(0, "cuda:0", "GPU-7").model_copy(update={"world_size": 3})
+    assert m.refusal(first, forming=True) is None
+    m.place(first)
+    m.join(first, 0.0)
+    clash = hello(1, "cuda:0", "GPU-7").model_copy(update={"world_size": 3})
+    assert "both on cuda:0" in (m.refusal(clash, forming=True) or "")
+    assert m.declare_dead(0, "test")
+    assert m.refusal(clash, forming=True) is None  # its holder died: the GPU is free
+    # rank 0's next incarnation on its own GPU is no conflict with its earlier self
+    assert m.refusal(first, forming=True, rejoining=None) is None
