@@ -32,7 +32,7 @@ from flodl.errors import ConfigError, FlodlError
 from flodl.handle import TrainerHandle
 from flodl.launch.builder import ClusterBuilder
 from flodl.launch.cluster import CLUSTER_ENV_VAR, Cluster
-from flodl.launch.env import is_launched, rank_env
+from flodl.launch.env import is_launched, local_host_names, rank_env
 from flodl.local import LocalRun, LocalSchedule
 from flodl.outer import OuterConfig
 from flodl.rank.resources import ResourceProbe, ResourceSampler
@@ -323,7 +323,11 @@ def _placement(c: TrainerConfig) -> tuple[Cluster | None, str]:
         cluster = ClusterBuilder.local_devices(c.local_devices)
     if cluster is not None:
         # a one-rank cluster still launches when its rank is elsewhere or its devices unknown
-        if not cluster.is_resolved or cluster.world_size > 1 or not cluster.is_local():
+        if (
+            not cluster.is_resolved
+            or cluster.world_size > 1
+            or not cluster.is_local(local_host_names())
+        ):
             return cluster, "cpu"
         return None, cluster.ranks()[0].device
     if c.device == "cpu" or (c.device.startswith("cuda:") and c.ranks is None):
