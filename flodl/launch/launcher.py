@@ -509,19 +509,18 @@ class _Launcher:
         elsewhere that finished, fetched over ssh. Every other host's final-state directory
         is removed."""
         slots = self.cluster.ranks()
-        local = [
-            code if self._is_local(slot) else None for slot, code in zip(slots, codes, strict=True)
-        ]
+        here = [self._is_local(slot) for slot in slots]
+        local = [code if h else None for h, code in zip(here, codes, strict=True)]
         finals = _load_final(self.run_dir, local)
-        remote = sorted({slot.worker_index for slot in slots if not self._is_local(slot)})
+        remote = sorted({slot.worker_index for slot, h in zip(slots, here, strict=True) if not h})
         if not remote:
             return finals
         from flodl.launch.ssh import ssh_fetch, ssh_remove
 
         cleaned: set[int] = set()
         if not finals:
-            for slot, code in zip(slots, codes, strict=True):
-                if self._is_local(slot) or code != 0:
+            for slot, h, code in zip(slots, here, codes, strict=True):
+                if h or code != 0:
                     continue
                 worker = self.cluster.workers[slot.worker_index]
                 path = str(final_state_path(self.remote_final_dir, slot.rank))
@@ -532,7 +531,7 @@ class _Launcher:
                     continue
                 finally:
                     cleaned.add(slot.worker_index)
-                finals = [(slot.rank, _final_from_bytes(data))]
+                finals = [(slot.rank, _read_final(data))]
                 logger.info(
                     "fetched rank %d's final state from %s over ssh", slot.rank, worker.host
                 )
@@ -586,10 +585,11 @@ def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
         task.cancel()
 
 
-def _final_from_bytes(data: bytes | Path) -> TrainedState:
-    """A rank's final state as its :func:`~flodl.launch.child.exit_launched_rank` saved it."""
-    source: Any = data if isinstance(data, Path) else io.BytesIO(data)
-    saved: dict[str, Any] = torch.load(source, weights_only=True)
+def _read_final(source: bytes | Path) -> TrainedState:
+    """A rank's final state as its :func:`~flodl.launch.child.exit_launched_rank` saved it: a
+    file of this host, or the bytes fetched from another."""
+    readable: Any = source if isinstance(source, Path) else io.BytesIO(source)
+    saved: dict[str, Any] = torch.load(readable, weights_only=True)
     return TrainedState(list(saved["params"]), list(saved["buffers"]), saved["save_reason"])
 
 
@@ -601,7 +601,7 @@ def _load_final(run_dir: Path, codes: list[int | None]) -> list[tuple[int, Train
     for rank, code in enumerate(codes):
         path = final_state_path(run_dir, rank)
         if code == 0 and path.exists():
-            finals.append((rank, _final_from_bytes(path)))
+            finals.append((rank, _read_final(path)))
     if len(finals) > 1:
         first = finals[0][1]
         first.replicas_agree = all(

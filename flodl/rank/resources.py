@@ -16,8 +16,9 @@
   absent, never guessed.
 
 Ranks sample on their bridge thread (:class:`~flodl.rank.bridge.RankBridge`, every
-:data:`RESOURCE_INTERVAL_S` and once more as they finish); the single-device tier and a
-cooperative ``Worker`` on one device on a :class:`ResourceSampler` thread.
+:data:`RESOURCE_INTERVAL_S` and once more as they finish); the single-device tier on a
+:class:`ResourceSampler` thread. (A cooperative ``Worker`` on one device has no monitoring,
+so nothing to sample into.)
 
 Every measurement that fails is left out of the sample (a sample is never worth a failing
 rank): the probe logs the failure once and keeps sampling the rest.
@@ -89,11 +90,7 @@ class ResourceProbe:
             logger.info("rank %d: no %s in resource samples: %s", self.rank, what, exc)
 
     def _open_nvml(self) -> None:
-        identity = None
-        try:
-            identity = gpu_identity(self.device)
-        except Exception as exc:  # noqa: BLE001
-            self._warn_once("GPU name", exc)
+        identity = gpu_identity(self.device)  # (never raises: None when CUDA cannot say)
         if identity is not None:
             self._gpu_name = identity.name
         try:
@@ -153,8 +150,8 @@ class ResourceProbe:
 
 class ResourceSampler:
     """A daemon thread that hands ``sink`` a sample every ``every_s`` and once more at
-    :meth:`stop` (a run shorter than one interval still has one). For the tiers without a
-    bridge thread: one device in process, a cooperative ``Worker`` on one device.
+    :meth:`stop` (a run shorter than one interval still has one). For the tier without a
+    bridge thread: one device in process.
 
     Args:
         probe: what to sample.
