@@ -152,6 +152,11 @@ class Dispatch:
         """Bumped whenever ElChe's counts or the live set may have changed."""
         return self._cohort_version
 
+    @property
+    def barrier_paced(self) -> bool:
+        """The mode hands a rank no work while it holds some or a cycle is pending."""
+        return self._barrier
+
     def in_flight(self, rank: int) -> int:
         """Batches handed to ``rank`` and not yet trained, over every open epoch."""
         works = self.works
@@ -322,11 +327,14 @@ class Dispatch:
         if not self.membership.trains(rank):
             return None
         barrier = self._barrier
-        if barrier and (self.cycle.pending or self.in_flight(rank) > 0):
+        if barrier and self.cycle.pending:
+            return None
+        held = self.in_flight(rank)
+        if barrier and held > 0:
             return None
         # Work already handed out counts against the window budget: without this an Async
         # rank would pile up a chunk per finalize and the overshoot bound would not hold.
-        steps = self.windows[rank].window.steps + self.in_flight(rank)
+        steps = self.windows[rank].window.steps + held
         counts, _, sum_counts = self.cohort()
         count = counts[rank]
         overshoot = self.max_overshoot if self.traits.overshoot else 0

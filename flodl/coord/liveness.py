@@ -54,6 +54,9 @@ class Liveness:
         # cached minimum stays a valid (early) deadline: refreshing it on every frame would make
         # each frame O(world size). stale() rescans and refreshes it.
         self._deadline_at: float | None = None
+        # The live ranks, ascending, rebuilt on the next alive() after a transition: a
+        # finalize asks for them several times, and a scan is O(world size) each.
+        self._alive: list[int] | None = None
 
     # queries ---------------------------------------------------------------------------------
     def state(self, rank: int) -> RankState:
@@ -63,8 +66,10 @@ class Liveness:
         return self._ranks[rank].state is RankState.ALIVE
 
     def alive(self) -> list[int]:
-        """Ranks that joined and have neither died nor exited, ascending."""
-        return [r for r, s in enumerate(self._ranks) if s.state is RankState.ALIVE]
+        """Ranks that joined and have neither died nor exited, ascending (a fresh list)."""
+        if self._alive is None:
+            self._alive = [r for r, s in enumerate(self._ranks) if s.state is RankState.ALIVE]
+        return self._alive.copy()
 
     def alive_mask(self) -> list[bool]:
         return [s.state is RankState.ALIVE for s in self._ranks]
@@ -91,6 +96,7 @@ class Liveness:
             self._joined_count += 1
         if r.state is not RankState.ALIVE:
             self._alive_count += 1
+            self._alive = None
         r.state = RankState.ALIVE
         r.last_seen_at = now
         at = now + self.heartbeat_timeout_s
@@ -122,8 +128,17 @@ class Liveness:
             return False
         r.state = RankState.EXITED
         self._alive_count -= 1
-        self._deadline_at = None
+        self._alive = None
+        self._drop_deadline_if_earliest(r)
         return True
+
+    def _drop_deadline_if_earliest(self, r: _Rank) -> None:
+        """A rank left: the cached deadline is rescanned only when it was that rank's. Any
+        other stays exact (a minimum over the others), and dropping it at every exit would make
+        a run's W exits O(W²) scans."""
+        at = r.last_seen_at + self.heartbeat_timeout_s
+        if self._deadline_at is not None and at <= self._deadline_at:
+            self._deadline_at = None
 
     def declare_dead(self, rank: int, reason: str) -> bool:
         """Returns True on the alive → dead transition (once); False if already out."""
@@ -132,7 +147,8 @@ class Liveness:
             return False
         if r.state is RankState.ALIVE:
             self._alive_count -= 1
-        self._deadline_at = None
+            self._alive = None
+            self._drop_deadline_if_earliest(r)
         r.state = RankState.DEAD
         r.reason = reason
         return True
@@ -160,8 +176,9 @@ class Liveness:
     def next_deadline(self) -> float | None:
         """When the earliest alive rank may go stale; None if none is alive.
 
-        Exact after a join, a death, an exit or a :meth:`stale` scan; between scans frames only
-        move instants later, so the cached value is an early bound (a tick then rescans)."""
+        Never late: frames only move instants later, so a cached value is an early bound (a
+        tick then rescans). Exact after a :meth:`stale` scan, and after the rank that set it
+        dies or exits (the next call rescans); another rank's exit keeps it (O(1), not a scan)."""
         if self._alive_count == 0:
             return None
         if self._deadline_at is None:

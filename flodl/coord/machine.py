@@ -25,6 +25,7 @@ Rules (h11's header style: everything that changes coordinator state lives in th
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from typing import Any
 
 from flodl.config import CoordConfig
@@ -51,7 +52,7 @@ from flodl.coord.ledger import CoverageReport
 from flodl.coord.liveness import RankState
 from flodl.coord.membership import Membership
 from flodl.coord.meta import MetaController
-from flodl.coord.phases import RunPhase, accepts
+from flodl.coord.phases import ACCEPTS, RunPhase
 from flodl.coord.reporting import Reporting
 from flodl.coord.resume import META_SCHEMA_VERSION, ResumeState
 from flodl.errors import LocalProtocolError, RemoteProtocolError
@@ -114,6 +115,7 @@ class Coordinator:
         self.traits = t = el.traits
         self.progressive = config.progressive
         self.phase = RunPhase.FORMING
+        self._accepts = ACCEPTS[self.phase]  # the phase's accepted kinds, set with the phase
         self.phase_log: list[tuple[RunPhase, str]] = [(RunPhase.FORMING, "the run started")]
         """Every phase the run entered, with why (read by tests and the simulator)."""
         self.save_reason: SaveReason | None = None
@@ -195,7 +197,7 @@ class Coordinator:
         """Apply one input received at monotonic ``now`` (seconds); return the effects."""
         out: list[Effect] = []
         self._arm_clocks(now)
-        if not accepts(self.phase, event.kind):
+        if event.kind not in self._accepts:  # accepts(self.phase, kind), without hashing it
             self._not_accepted(event, now, out)
             return out
         match event:
@@ -361,6 +363,7 @@ class Coordinator:
         if phase is not self.phase:
             self.phase_log.append((phase, reason))
             self.phase = phase
+            self._accepts = ACCEPTS[phase]
 
     def _not_accepted(self, event: RankFrame | Input, now: float, out: list[Effect]) -> None:
         """An input the phase does not accept: a protocol violation from a live rank, nothing
@@ -408,8 +411,11 @@ class Coordinator:
         if done >= self.dispatch.first_epoch:  # not closed by the run this one resumes
             self.callbacks.epoch_boundary(done, out)
 
-    def _advance_epochs(self, now: float, out: list[Effect]) -> None:
-        """Close finished epochs in order, open the next one, dispatch, or end the run."""
+    def _advance_epochs(self, now: float, out: list[Effect], holding: Collection[int] = ()) -> None:
+        """Close finished epochs in order, open the next one, dispatch, or end the run.
+
+        ``holding``: ranks just handed a chunk (a finalize's folds); a barrier-paced mode gives
+        a rank that holds work nothing more, so they are not asked again (O(W) calls saved)."""
         dispatch = self.dispatch
         while self.phase is RunPhase.TRAINING:
             closed = dispatch.pop_done_epoch()
@@ -425,8 +431,10 @@ class Coordinator:
         if self.phase is not RunPhase.TRAINING:
             return
         if self.progressive:
+            skip = holding if dispatch.barrier_paced else ()
             for r in self.membership.alive():
-                dispatch.dispatch(r, now, out)
+                if r not in skip:
+                    dispatch.dispatch(r, now, out)
         self._maybe_trigger(now, out)
 
     def _end_of_training(self, now: float, out: list[Effect]) -> None:
@@ -692,7 +700,7 @@ class Coordinator:
                     fold[r] = plan
         self.averaging.release(number, out, fold)
         self.admission.maybe_grow_session(out)
-        self._advance_epochs(now, out)
+        self._advance_epochs(now, out, holding=fold)
 
     def _finalize(self, now: float, out: list[Effect]) -> None:
         averaging = self.averaging

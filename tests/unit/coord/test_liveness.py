@@ -114,6 +114,46 @@ def test_next_deadline_is_the_earliest_alive_rank_going_stale() -> None:
     assert live.next_deadline() is None
 
 
+class _CountingRanks(list):  # type: ignore[type-arg]
+    """The ledger's rank list, counting full passes over it."""
+
+    scans = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        _CountingRanks.scans += 1
+        return super().__iter__()
+
+
+def test_a_run_s_exits_rescan_only_when_the_earliest_rank_leaves() -> None:
+    """Every rank sends ``exiting`` last (its frame makes it the latest seen), so the W exits
+    of a run's end keep the cached deadline: O(1) each, not an O(W) scan (it was O(W²))."""
+    world = 200
+    live = joined(world)
+    live._ranks = _CountingRanks(live._ranks)
+    live.stale(1.0)  # exact: every rank at 0 + TIMEOUT
+    _CountingRanks.scans = 0
+    for r in range(world - 1):
+        live.seen(r, 10.0 + r)  # its exiting frame
+        live.mark_exited(r)
+        assert live.next_deadline() == TIMEOUT  # the last rank's, never late
+    assert _CountingRanks.scans == 0
+    live.seen(world - 1, 500.0)
+    live.mark_exited(world - 1)
+    assert live.next_deadline() is None
+
+
+def test_the_death_of_the_earliest_rank_moves_the_deadline_to_the_next() -> None:
+    live = joined(3)
+    live.seen(1, 5.0)
+    live.seen(2, 9.0)
+    live.stale(1.0)
+    assert live.next_deadline() == TIMEOUT  # rank 0's
+    live.declare_dead(2, "x")  # not the earliest: kept
+    assert live.next_deadline() == TIMEOUT
+    live.declare_dead(0, "y")  # the earliest: rescanned, never re-armed at its instant
+    assert live.next_deadline() == 5.0 + TIMEOUT
+
+
 def test_exiting_is_a_latch_excluded_from_staleness_and_never_dead() -> None:
     live = joined(2)
     assert live.mark_exited(1) is True
@@ -219,3 +259,16 @@ def test_single_survivor_reason_names_survivors_and_world() -> None:
     assert verdict is not None
     assert verdict[0] == "single_survivor"
     assert "1 rank left of 3" in verdict[1]
+
+
+def test_alive_is_a_fresh_list_that_follows_every_transition() -> None:
+    live = joined(3)
+    mine = live.alive()
+    mine.append(99)  # the caller's copy: the ledger's cached list is untouched
+    assert live.alive() == [0, 1, 2]
+    live.declare_dead(1, "x")
+    assert live.alive() == [0, 2]
+    live.mark_exited(2)
+    assert live.alive() == [0]
+    live.rejoin(1, 5.0)
+    assert live.alive() == [0, 1]
