@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import flodl
 from flodl.config import MODES
@@ -414,6 +415,11 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS, help="epochs of both runs")
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
     p.add_argument("--seed", type=int, default=0, help="model and shuffle seed")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the summary's figures there as JSON (its directory must exist)",
+    )
     p.set_defaults(command=_run_demo)
 
 
@@ -421,6 +427,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     import dataclasses
 
     from flodl.demo import DemoOptions, parse_slow, run_demo
+    from flodl.demo.run import result_json
     from flodl.errors import FlodlError
 
     try:
@@ -436,11 +443,12 @@ def _run_demo(args: argparse.Namespace) -> int:
         specs = args.slow if args.slow is not None else ["1:3"]
         if specs != ["none"]:
             options = dataclasses.replace(options, slow=parse_slow(specs, args.ranks))
+        json_path = _demo_json_path(args.json)
     except ConfigError as exc:
         print(f"flodl demo: error: {exc}", file=sys.stderr)
         return 2
     try:
-        run_demo(options)
+        result = run_demo(options)
     except ConfigError as exc:
         print(f"flodl demo: error: {exc}", file=sys.stderr)
         return 2
@@ -449,7 +457,25 @@ def _run_demo(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    if result is not None and json_path is not None:  # (None in a rank process)
+        json_path.write_text(json.dumps(result_json(options, result), indent=2) + "\n")
     return 0
+
+
+def _demo_json_path(value: str | None) -> Path | None:
+    """``--json``'s file, checked before anything runs.
+
+    Raises:
+        ConfigError: its directory does not exist, or it names a directory.
+    """
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_dir():
+        raise ConfigError(f"--json {value}: is a directory (expected a file path)")
+    if not path.resolve().parent.is_dir():
+        raise ConfigError(f"--json {value}: directory {path.resolve().parent} does not exist")
+    return path
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,6 +5,7 @@ local ranks in one of the five modes, then a summary table.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -20,7 +21,15 @@ from flodl.demo.slowdown import slowed
 from flodl.demo.task import DemoTask, demo_task
 from flodl.errors import ConfigError
 
-__all__ = ["DemoOptions", "DemoResult", "Prediction", "predict", "run_demo", "format_summary"]
+__all__ = [
+    "DemoOptions",
+    "DemoResult",
+    "Prediction",
+    "predict",
+    "run_demo",
+    "format_summary",
+    "result_json",
+]
 
 DEFAULT_EPOCHS = 3
 BATCH_SIZE = 128
@@ -118,6 +127,29 @@ class DemoResult:
     def speedup(self) -> float:
         """flodl's training span against lock-step DDP's (> 1: flodl is faster)."""
         return self.lockstep_train_s / self.train_s if self.train_s > 0 else math.nan
+
+
+def result_json(options: DemoOptions, r: DemoResult) -> dict[str, Any]:
+    """The summary table's figures (``flodl demo --json``): the options, every field of the
+    result (times in seconds, accuracies 0..1; a figure that was not measured is null), the
+    derived ``diff_pp`` and ``speedup``, and the table as printed."""
+
+    def finite(obj: Any) -> Any:
+        if isinstance(obj, float):
+            return obj if math.isfinite(obj) else None
+        if isinstance(obj, dict):
+            return {k: finite(v) for k, v in obj.items()}
+        if isinstance(obj, list | tuple):
+            return [finite(v) for v in obj]
+        return obj
+
+    opts = dataclasses.asdict(options)
+    opts["slow"] = {str(k): v for k, v in sorted(options.slow.items())}
+    result = dataclasses.asdict(r) | {"diff_pp": r.diff_pp, "speedup": r.speedup}
+    out: dict[str, Any] = finite(
+        {"options": opts, "result": result, "summary": format_summary(options, r)}
+    )
+    return out
 
 
 def _is_rank() -> bool:

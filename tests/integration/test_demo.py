@@ -24,7 +24,18 @@ def test_demo_trains_solo_lockstep_then_flodl_and_its_table_matches_the_records(
 ) -> None:
     out_dir = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "flodl", "demo", "--epochs", "1", "--out", str(out_dir)],
+        [
+            sys.executable,
+            "-m",
+            "flodl",
+            "demo",
+            "--epochs",
+            "1",
+            "--out",
+            str(out_dir),
+            "--json",
+            str(tmp_path / "demo.json"),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -87,6 +98,15 @@ def test_demo_trains_solo_lockstep_then_flodl_and_its_table_matches_the_records(
     assert sorted(p.name for p in out_dir.iterdir() if p.name.startswith("lockstep")) == []
     for name in ("records", "dashboard.html", "checkpoint.meta.json", "flodl sim --from-records"):
         assert name in summary
+    # --json: the same figures, and the table as printed
+    figures = json.loads((tmp_path / "demo.json").read_text())
+    assert figures["options"]["slow"] == {"1": 3.0} and figures["options"]["epochs"] == 1
+    result = figures["result"]
+    assert (result["syncs"], result["anchor"]) == (epoch["syncs"], epoch["anchor"])
+    assert round(result["train_s"], 1) == train
+    assert result["lockstep_syncs"] == 500
+    assert abs(result["speedup"] - result["lockstep_train_s"] / result["train_s"]) < 1e-9
+    assert summary.startswith(figures["summary"].rstrip())
 
 
 @pytest.mark.parametrize(
@@ -99,11 +119,14 @@ def test_demo_trains_solo_lockstep_then_flodl_and_its_table_matches_the_records(
         (["--mode", "nope"], "--mode 'nope': expected one of nccl_sync, nccl_cadence"),
         (["--ranks", "1"], "--ranks 1: expected 2..16"),
         (["--epochs", "0"], "--epochs 0: expected 1..1000"),
+        (["--json", "{tmp}/absent/demo.json"], "absent does not exist"),
+        (["--json", "{tmp}"], "is a directory"),
     ],
 )
 def test_bad_options_exit_2_naming_the_problem(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert main(["demo", "--out", str(tmp_path / "never"), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("flodl demo: error: ")

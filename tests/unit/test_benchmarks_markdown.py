@@ -411,3 +411,86 @@ def test_bench_gpu_section_without_cuda_says_nothing_was_measured(
     data["not_run"] = {}
     text = via_json(bench, tmp_path, capsys, "bench_gpu", data)
     assert "No CUDA device was visible: nothing was measured." in text
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_demo and the suite (python -m benchmarks)
+# ---------------------------------------------------------------------------------------------
+
+
+def demo_run(index: int, wall_s: float, speedup: float | None) -> dict[str, Any]:
+    """A run row as bench_demo assembles it: exit status, wall time and the demo's --json."""
+    if speedup is None:
+        return {"run": index, "rc": 1, "wall_s": wall_s, "error": "the run failed: boom"}
+    result = {
+        "solo_accuracy": 0.57,
+        "accuracy": 0.568,
+        "lockstep_accuracy": 0.572,
+        "solo_train_s": 7.9,
+        "lockstep_train_s": 7.2 * speedup,
+        "train_s": 7.2,
+        "batch_share": [0.78, 0.22],
+        "syncs": 32,
+        "lockstep_syncs": 1500,
+        "anchor": 80,
+        "speedup": speedup,
+    }
+    summary = f"summary (held-out …)\n  syncs  -  1500  32\n  (run {index})"
+    return {"run": index, "rc": 0, "wall_s": wall_s, "result": result, "summary": summary}
+
+
+def test_demo_markdown_shows_every_run_and_the_median_run_s_summary(
+    bench: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mod = bench("bench_demo")
+    runs = [demo_run(0, 44.0, 2.48), demo_run(1, 41.5, 2.31), demo_run(2, 47.2, 2.6)]
+    data = header(bench, "bench_demo", "torch") | {"runs": runs, "verdict": mod.verdict(runs)}
+    text = via_json(bench, tmp_path, capsys, "bench_demo", data)
+    assert "| 1 | 41.5 | 7.9 | 16.6 | 7.2 | 2.31× | 57.0 % / 57.2 % / 56.8 % | 78 % · 22 %" in text
+    assert "The summary the median run (run 0, 44.0 s) printed:" in text
+    assert "  (run 0)" in text and "  (run 2)" not in text
+    assert "41.5–47.2 s over 3 run(s), **met**." in text
+
+
+def test_demo_verdict_fails_on_a_slow_or_failed_run(bench: Any) -> None:
+    mod = bench("bench_demo")
+    assert mod.verdict([demo_run(0, 181.0, 2.0)])["met"] is False
+    failed = [demo_run(0, 40.0, 2.0), demo_run(1, 12.0, None)]
+    assert mod.verdict(failed)["met"] is False
+    assert "failed: the run failed: boom" in "|".join(mod.table_rows(failed)[1])
+    assert mod.median_run(failed)["run"] == 0  # the failed run is not shown as the summary
+    assert mod.verdict([])["met"] is False
+
+
+def test_suite_markdown_lists_every_headline_with_its_verdict(
+    bench: Any, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    m = bench("benchmarks.__main__")
+    verdict = {"target_s": 180.0, "max_wall_s": 44.0, "met": True}
+    demo = {"runs": [demo_run(0, 44.0, 2.48)], "verdict": verdict}
+    scripts = [
+        {"name": "bench_demo", "status": "ok", "seconds": 45.2, "rows": m._demo(demo)},
+        {"name": "bench_gpu", "status": "ok", "seconds": 3.0, "rows": [], "note": "no extractor"},
+    ]
+    data = {
+        "command": "python -m benchmarks --quick",
+        "date": "2026-12-04 21:40 UTC",
+        "uptime_before": "load average: 0.1",
+        "uptime_after": "load average: 1.9",
+        "machine": {"cpus": 2, "python": "3.11.7"},
+        "quick": True,
+        "total_s": 48.2,
+        "scripts": scripts,
+    }
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(data))
+    assert m.main(["--markdown", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("## All of it (`python -m benchmarks --quick`)")
+    assert "Run 2026-12-04 21:40 UTC (`date`), 48 s in all." in text
+    assert (
+        "| bench_demo | flodl demo: the whole command (slowest run) | 44.0 s | < 180 s "
+        "| **met** | 45 |" in text
+    )
+    assert "|  | flodl demo: flodl vs lock-step DDP (training span) | 2.48× | – | – |  |" in text
+    assert "| bench_gpu | ok | no extractor | | | 3 |" in text
