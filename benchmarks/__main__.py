@@ -4,7 +4,7 @@
 
 Each ``benchmarks/bench_*.py`` runs in its own subprocess (``python benchmarks/<name>.py``,
 with the suite's size arguments and ``--json benchmarks/results/<name>.json``), one after the
-other, under a per-script time limit that keeps the whole suite under 19 minutes
+other, under a per-script time limit that keeps the whole suite under 20.5 minutes
 (``--quick``: a smoke run of a few minutes). The summary reads each script's JSON; a script
 that is missing, fails, times out or writes JSON of an unexpected shape gets a row that says
 so. A script the suite does not know runs with no arguments and gets a row with its exit
@@ -31,7 +31,7 @@ from _common import machine_info, uptime  # noqa: E402
 
 REPO = HERE.parent
 RESULTS = HERE / "results"
-SUITE_LIMIT_S = 19 * 60
+SUITE_LIMIT_S = 20.5 * 60
 
 Headline = dict[str, Any]
 """One summary row: ``metric`` (what), ``value`` (str), ``target`` (str), ``met`` (bool|None)."""
@@ -195,6 +195,23 @@ def _demo(d: dict[str, Any]) -> list[Headline]:
     ]
 
 
+def _startup(d: dict[str, Any]) -> list[Headline]:
+    by = {r["system"]: r for r in d["rows"]}
+    flodl = by["flodl"]
+    return [
+        _row(
+            "launch → last rank's first step: flodl vs torchrun + DDP",
+            f"{flodl['first_step_vs_torchrun']:.2f}× ({flodl['first_step_s']:.2f} s)",
+        )
+    ]
+
+
+def _gpu(d: dict[str, Any]) -> list[Headline]:
+    if not d["runs"]:
+        return [_row("the GPU path", f"nothing measured: {d['gpus']} GPU(s) visible")]
+    return [_row("the GPU path", f"{len(d['runs'])} runs on {d.get('gpu_name', 'a GPU')}")]
+
+
 def _recovery(d: dict[str, Any]) -> list[Headline]:
     out = []
     for r in d["rows"]:
@@ -298,7 +315,7 @@ class Spec:
     json_flag: bool = True
 
 
-# Per-script limits (seconds) sum to 19 min; measured here (2 shared cores, load ≈ 3) the
+# Per-script limits (seconds) sum to 20.5 min; measured here (2 shared cores, load ≈ 3) the
 # default sizes take ≈ 5 min in all and --quick ≈ 3 min. Sizes are the scripts' own
 # quick/small options.
 SPECS: dict[str, Spec] = {
@@ -355,6 +372,8 @@ SPECS: dict[str, Spec] = {
         150,
         _replay,
     ),
+    "bench_gpu": Spec([], [], 30, _gpu),
+    "bench_startup": Spec(["--repeat", "1"], ["--repeat", "1"], 60, _startup),
 }
 
 

@@ -143,11 +143,19 @@ def markdown(data: dict[str, Any]) -> str:
     ]
     mid = median_run(runs)
     if mid is not None:
+        table = []
+        for line in mid["summary"].splitlines():
+            if line.startswith("  records"):
+                break  # the file lines name the run's temporary directory
+            table.append(line.rstrip())
+        while table and not table[-1]:
+            table.pop()
+        head = f"The summary the median run (run {mid['run']}, {mid['wall_s']:.1f} s) printed"
         lines += [
-            f"The summary the median run (run {mid['run']}, {mid['wall_s']:.1f} s) printed:",
+            head + ", without the lines naming its files:",
             "",
             "```",
-            *[line.rstrip() for line in mid["summary"].splitlines()],
+            *table,
             "```",
             "",
         ]

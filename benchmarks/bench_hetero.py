@@ -158,6 +158,7 @@ def flodl_job(spec_path: str) -> None:
 
     epochs: list[dict[str, Any]] = []
     t0 = time.perf_counter()
+    cpu0 = time.process_time()
     handle = (
         Trainer.builder(task.model_factory, task.optim_factory, step)
         .dataset(task.train)
@@ -174,6 +175,9 @@ def flodl_job(spec_path: str) -> None:
     )
     state = handle.join()
     total_s = time.perf_counter() - t0
+    # the launcher process's CPU over the run: the coordinator, the reduce server and the
+    # launcher's threads, all competing with the ranks for the machine's cores
+    launcher_cpu_s = time.process_time() - cpu0
     model = task.model_factory("cpu")
     state.load_into(model)
     torch.set_num_threads(THREADS)
@@ -181,6 +185,7 @@ def flodl_job(spec_path: str) -> None:
         "metric": task.eval_fn(model, task.held_out),
         "loss": task.loss_fn(model, task.held_out),
         "total_s": total_s,
+        "launcher_cpu_s": launcher_cpu_s,
         "epochs": epochs,
     }
     (out / "result.json").write_text(json.dumps(result))
@@ -211,6 +216,8 @@ def run_flodl(cfg: dict[str, Any], out_dir: Path, timeout_s: float) -> dict[str,
     last = result["epochs"][-1] if result["epochs"] else {}
     result["syncs"] = int(last.get("syncs", 0))
     result["breakdown"] = breakdown(out_dir / "records" / "root.log")
+    if result["breakdown"] is not None:
+        result["breakdown"]["launcher_cpu_s"] = result.get("launcher_cpu_s")
     return result
 
 
@@ -603,6 +610,7 @@ def breakdown_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
                 f"{r['span_s']:.1f}",
                 str(b["cycles"]),
                 f"{b['averaging_s']:.2f}",
+                "-" if b.get("launcher_cpu_s") is None else f"{b['launcher_cpu_s']:.2f}",
                 "/".join(f"{x:.1f}" for x in b["busy_s"]),
                 "/".join(f"{x:.1f}" for x in b["idle_s"]),
                 "/".join(f"{x:.1f}" for x in b["induced_s"]),
@@ -620,6 +628,7 @@ BREAKDOWN_HEADERS = [
     "span s",
     "cycles",
     "averaging s",
+    "launcher CPU s",
     "busy s/rank",
     "idle s/rank",
     "induced idle s/rank",
@@ -690,6 +699,8 @@ def markdown(data: dict[str, Any]) -> str:
             (
                 "Where flodl's time went (coordinator `window` records summed over the run; "
                 "idle = time a rank waited at averaging; induced = the idle it caused others; "
+                "launcher CPU = the CPU time of the process that hosts the coordinator and the "
+                "reduce server, over the run; "
                 "windows = steps per rank in the first and last three cycles):"
             ),
             "",

@@ -435,7 +435,7 @@ def demo_run(index: int, wall_s: float, speedup: float | None) -> dict[str, Any]
         "anchor": 80,
         "speedup": speedup,
     }
-    summary = f"summary (held-out …)\n  syncs  -  1500  32\n  (run {index})"
+    summary = f"summary (held-out …)\n  syncs  -  1500  32\n  (run {index})\n\n  records  /tmp/x"
     return {"run": index, "rc": 0, "wall_s": wall_s, "result": result, "summary": summary}
 
 
@@ -447,8 +447,9 @@ def test_demo_markdown_shows_every_run_and_the_median_run_s_summary(
     data = header(bench, "bench_demo", "torch") | {"runs": runs, "verdict": mod.verdict(runs)}
     text = via_json(bench, tmp_path, capsys, "bench_demo", data)
     assert "| 1 | 41.5 | 7.9 | 16.6 | 7.2 | 2.31× | 57.0 % / 57.2 % / 56.8 % | 78 % · 22 %" in text
-    assert "The summary the median run (run 0, 44.0 s) printed:" in text
+    assert "The summary the median run (run 0, 44.0 s) printed, without" in text
     assert "  (run 0)" in text and "  (run 2)" not in text
+    assert "/tmp/x" not in text  # the run's temporary files are not shown
     assert "41.5–47.2 s over 3 run(s), **met**." in text
 
 

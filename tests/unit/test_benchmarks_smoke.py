@@ -460,3 +460,19 @@ def test_wire_markdown_states_every_verdict_from_the_figures(bench: Any) -> None
     assert "| uvloop | 130,000 | 350,000 | 0.37× |" in text
     assert "Target f32 decode ≥ 0.5× memcpy: **not met** (0.26×)" in text
     assert "(200,000 frames, a heartbeat/batch mix, best of 3)" in text
+
+
+def test_suite_startup_and_gpu_extractors(bench: Any) -> None:
+    m = bench("benchmarks.__main__")
+    rows = [
+        {"system": "torchrun_ddp", "first_step_s": 3.4, "first_step_vs_torchrun": 1.0},
+        {"system": "flodl", "first_step_s": 3.72, "first_step_vs_torchrun": 1.0941},
+    ]
+    (startup,) = m._startup({"rows": rows})
+    assert startup["value"] == "1.09× (3.72 s)" and startup["met"] is None
+    (none,) = m._gpu({"gpus": 0, "runs": {}})
+    assert none["value"] == "nothing measured: 0 GPU(s) visible"
+    (some,) = m._gpu({"gpus": 1, "runs": {"solo-gpu": {}, "mixed": {}}, "gpu_name": "NVIDIA H200"})
+    assert some["value"] == "2 runs on NVIDIA H200"
+    with pytest.raises(KeyError):
+        m._startup({"rows": rows[:1]})  # no flodl row: an "unexpected JSON" row in the summary
