@@ -134,14 +134,7 @@ def result_json(options: DemoOptions, r: DemoResult) -> dict[str, Any]:
     result (times in seconds, accuracies 0..1; a figure that was not measured is null), the
     derived ``diff_pp`` and ``speedup``, and the table as printed."""
 
-    def finite(obj: Any) -> Any:
-        if isinstance(obj, float):
-            return obj if math.isfinite(obj) else None
-        if isinstance(obj, dict):
-            return {k: finite(v) for k, v in obj.items()}
-        if isinstance(obj, list | tuple):
-            return [finite(v) for v in obj]
-        return obj
+    from flodl.monitor.hub_entries import finite
 
     opts = dataclasses.asdict(options)
     opts["slow"] = {str(k): v for k, v in sorted(options.slow.items())}
