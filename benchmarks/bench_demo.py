@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -38,6 +40,8 @@ from _common import (
 
 TARGET_S = 180.0
 """The whole ``flodl demo`` command, seconds, in every run."""
+RUN_LIMIT_S = 2 * TARGET_S
+"""A run still going after this is killed (and fails the target)."""
 
 
 def run_once(work: Path, index: int) -> dict[str, Any]:
@@ -46,11 +50,25 @@ def run_once(work: Path, index: int) -> dict[str, Any]:
     figures = work / f"run{index}.json"
     cmd = [sys.executable, "-m", "flodl", "demo", "--out", str(out), "--json", str(figures)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+    # a group of its own: a run past the limit is killed with its ranks
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=RUN_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        err += f"\nkilled after {RUN_LIMIT_S:.0f} s"
     wall = time.perf_counter() - t0
     row: dict[str, Any] = {"run": index, "rc": proc.returncode, "wall_s": wall}
     if proc.returncode != 0 or not figures.exists():
-        row["error"] = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][-300:]
+        row["error"] = (err.strip().splitlines() or ["(no output)"])[-1][-300:]
         return row
     figures_of: dict[str, Any] = json.loads(figures.read_text())
     return row | figures_of

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -458,7 +459,11 @@ def _run_demo(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     if result is not None and json_path is not None:  # (None in a rank process)
-        json_path.write_text(json.dumps(result_json(options, result), indent=2) + "\n")
+        try:
+            json_path.write_text(json.dumps(result_json(options, result), indent=2) + "\n")
+        except OSError as exc:
+            print(f"flodl demo: error: --json {json_path}: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -473,8 +478,12 @@ def _demo_json_path(value: str | None) -> Path | None:
     path = Path(value)
     if path.is_dir():
         raise ConfigError(f"--json {value}: is a directory (expected a file path)")
-    if not path.resolve().parent.is_dir():
-        raise ConfigError(f"--json {value}: directory {path.resolve().parent} does not exist")
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise ConfigError(f"--json {value}: {parent} {what}")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"--json {value}: directory {parent} is not writable")
     return path
 
 

@@ -298,3 +298,13 @@ def test_parse_slow_accepts_repeats_and_comma_lists() -> None:
     assert parse_slow(["1:3"], 2) == {1: 3.0}
     assert parse_slow(["1:3", "2:1.5,3:2"], 4) == {1: 3.0, 2: 1.5, 3: 2.0}
     assert parse_slow([], 2) == {}
+
+
+def test_json_under_a_file_is_refused_before_anything_runs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "afile").write_text("x")
+    argv = ["demo", "--out", str(tmp_path / "never"), "--json", str(tmp_path / "afile" / "d.json")]
+    assert main(argv) == 2
+    assert "afile is not a directory" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()

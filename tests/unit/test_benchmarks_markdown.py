@@ -495,3 +495,28 @@ def test_suite_markdown_lists_every_headline_with_its_verdict(
     )
     assert "|  | flodl demo: flodl vs lock-step DDP (training span) | 2.48× | – | – |  |" in text
     assert "| bench_gpu | ok | no extractor | | | 3 |" in text
+
+
+def test_suite_markdown_escapes_cells_and_refuses_bad_files(
+    bench: Any, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    m = bench("benchmarks.__main__")
+    failed = {"name": "bench_x", "status": "exit 1", "seconds": 3.0, "rows": []}
+    failed["note"] = "Traceback | a | b"
+    data = {
+        "command": "python -m benchmarks",
+        "date": "2026-12-04 21:40 UTC",
+        "uptime_before": "a",
+        "uptime_after": "b",
+        "machine": {"cpus": 2, "python": "3.11.7"},
+        "total_s": 3.0,
+        "scripts": [failed],
+    }
+    text = m.markdown(data)
+    assert "| bench_x | exit 1 | Traceback \\| a \\| b | | | 3 |" in text
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"quick": False, "total_s": 1.0, "scripts": []}))
+    assert m.main(["--markdown", str(old)]) == 2
+    assert "has no 'machine'" in capsys.readouterr().err
+    assert m.main(["--markdown", str(tmp_path / "absent.json")]) == 2
+    assert "absent.json" in capsys.readouterr().err

@@ -1,8 +1,11 @@
 """Cheap checks of the benchmark scripts' plumbing: argument parsing, bookkeeping, the suite's
-summary extractors. Nothing here trains, spawns or times anything."""
+summary extractors. Nothing here trains or times anything; one test runs a tiny script to check
+that the suite kills a script past its limit together with its children."""
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -465,8 +468,8 @@ def test_wire_markdown_states_every_verdict_from_the_figures(bench: Any) -> None
 def test_suite_startup_and_gpu_extractors(bench: Any) -> None:
     m = bench("benchmarks.__main__")
     rows = [
-        {"system": "torchrun_ddp", "first_step_s": 3.4, "first_step_vs_torchrun": 1.0},
-        {"system": "flodl", "first_step_s": 3.72, "first_step_vs_torchrun": 1.0941},
+        {"system": "torchrun_ddp", "ok": True, "first_step_s": 3.4, "first_step_vs_torchrun": 1.0},
+        {"system": "flodl", "ok": True, "first_step_s": 3.72, "first_step_vs_torchrun": 1.0941},
     ]
     (startup,) = m._startup({"rows": rows})
     assert startup["value"] == "1.09× (3.72 s)" and startup["met"] is None
@@ -474,5 +477,46 @@ def test_suite_startup_and_gpu_extractors(bench: Any) -> None:
     assert none["value"] == "nothing measured: 0 GPU(s) visible"
     (some,) = m._gpu({"gpus": 1, "runs": {"solo-gpu": {}, "mixed": {}}, "gpu_name": "NVIDIA H200"})
     assert some["value"] == "2 runs on NVIDIA H200"
-    with pytest.raises(KeyError):
-        m._startup({"rows": rows[:1]})  # no flodl row: an "unexpected JSON" row in the summary
+    assert m._startup({"rows": rows[:1]})[0]["value"] == "n/a: flodl failed"  # no flodl row
+
+
+def test_suite_extractors_say_what_failed(bench: Any) -> None:
+    m = bench("benchmarks.__main__")
+    failed = [{"system": "flodl", "ok": False, "error": "boom"}]
+    (row,) = m._startup({"rows": failed})
+    assert row["value"] == "n/a: flodl, torchrun_ddp failed"
+    runs = {"solo-gpu": {"span_s": 1.0}, "mixed": {"error": "exit 1: boom"}}
+    (gpu,) = m._gpu({"gpus": 1, "runs": runs, "gpu_name": "NVIDIA H200"})
+    assert gpu["value"] == "1 runs on NVIDIA H200, 1 failed"
+    demo = {
+        "runs": [{"run": 0, "rc": 0, "wall_s": 40.0, "result": {"speedup": None}}],
+        "verdict": {"target_s": 180.0, "max_wall_s": 40.0, "met": True},
+    }
+    assert m._demo(demo)[1]["value"] == "n/a"
+
+
+def test_suite_kills_a_script_past_its_limit_with_its_children(bench: Any, tmp_path: Path) -> None:
+    m = bench("benchmarks.__main__")
+    pid_file = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    with (tmp_path / "log").open("wb") as sink:
+        assert m.run_group([sys.executable, "-c", script], sink, 3.0) is None
+    child = int(pid_file.read_text())
+
+    def gone() -> bool:  # killed: reaped, or a zombie awaiting its new parent's wait()
+        try:
+            return Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            return True
+
+    deadline = time.monotonic() + 10.0
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(), "the script's child outlived the suite's kill"
+    with (tmp_path / "log").open("wb") as sink:
+        assert m.run_group([sys.executable, "-c", "raise SystemExit(3)"], sink, 30.0) == 3
