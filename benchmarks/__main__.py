@@ -14,23 +14,20 @@ status only. Exit status: 0 when every script ran (targets missed or not), 1 oth
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the scripts' helpers, imported bare as the scripts do
 
-from _common import machine_info, uptime  # noqa: E402
+from _common import machine_info, run_in_group, uptime  # noqa: E402
 
 REPO = HERE.parent
 RESULTS = HERE / "results"
@@ -393,23 +390,6 @@ def discover() -> list[str]:
     return list(SPECS) + [n for n in present if n not in SPECS]
 
 
-def run_group(argv: list[str], sink: BinaryIO, limit_s: float) -> int | None:
-    """Run ``argv`` in a process group of its own; its exit status, or None when it ran past
-    ``limit_s`` (then the whole group is killed: a script's own children, a ``flodl demo``
-    and its ranks say, never outlive it to compete with the next script)."""
-    proc = subprocess.Popen(
-        argv, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        return proc.wait(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        return None
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # what is left of the group, if anything
-        proc.wait()
-
-
 def run_script(name: str, quick: bool, deadline: float) -> dict[str, Any]:
     """Run one script; returns status, seconds and its headline rows."""
     spec = SPECS.get(name)
@@ -432,7 +412,9 @@ def run_script(name: str, quick: bool, deadline: float) -> dict[str, Any]:
     print(f"\n=== {name}: {' '.join(argv[2:])} (limit {limit:.0f} s)", flush=True)
     t0 = time.perf_counter()
     with log.open("wb") as sink:
-        code = run_group(argv, sink, limit)
+        # a group of its own: a script's children (a flodl demo and its ranks, say) are
+        # killed with it at its limit and never compete with the next script
+        code, _, _ = run_in_group(argv, limit, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
     status = f"timeout {limit:.0f} s" if code is None else "ok" if code == 0 else f"exit {code}"
     seconds = time.perf_counter() - t0
     print(f"    {status} in {seconds:.0f} s (output: {log.relative_to(REPO)})", flush=True)

@@ -8,14 +8,17 @@ importing ``flodl`` or ``benchmarks.*`` so that works without an installed packa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import platform
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from importlib import metadata
@@ -45,6 +48,7 @@ __all__ = [
     "median_stats",
     "stats_cell",
     "repeat_trials",
+    "run_in_group",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -347,3 +351,31 @@ def repeat_trials(
         result = trial()
         into.append(result)
         print(f"  {label}: {brief(result)}", flush=True)
+
+
+def run_in_group(cmd: Sequence[str], timeout_s: float, **popen: Any) -> tuple[int | None, Any, Any]:
+    """Run ``cmd`` in a process group of its own: ``(exit status, or None when it ran past
+    ``timeout_s``; stdout; stderr)`` as :meth:`subprocess.Popen.communicate` gives them
+    (``popen`` goes to ``Popen``: ``stdout``, ``stderr``, ``cwd``, ``env``, ``text``).
+
+    The status is the command's own, taken when it exits: a child it left behind (a rank of a
+    finished launcher) may hold its pipes open, so the output is read on a thread while this
+    one waits. The whole group is then killed, after the command ends, times out or the caller
+    is interrupted, so no child of it outlives it and every read ends."""
+    proc = subprocess.Popen(list(cmd), start_new_session=True, **popen)
+    got: list[Any] = [None, None]
+
+    def read() -> None:
+        got[0], got[1] = proc.communicate()
+
+    reader = threading.Thread(target=read, name="run-in-group", daemon=True)
+    reader.start()
+    try:
+        code: int | None = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        reader.join()
+    return code, got[0], got[1]

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,6 +32,7 @@ from _common import (
     markdown_table,
     met_text,
     print_table,
+    run_in_group,
     section_head,
     write_json,
 )
@@ -51,23 +50,19 @@ def run_once(work: Path, index: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "flodl", "demo", "--out", str(out), "--json", str(figures)]
     t0 = time.perf_counter()
     # a group of its own: a run past the limit is killed with its ranks
-    proc = subprocess.Popen(
+    code, _, err = run_in_group(
         cmd,
+        RUN_LIMIT_S,
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,
     )
-    try:
-        _, err = proc.communicate(timeout=RUN_LIMIT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
+    if code is None:
         err += f"\nkilled after {RUN_LIMIT_S:.0f} s"
     wall = time.perf_counter() - t0
-    row: dict[str, Any] = {"run": index, "rc": proc.returncode, "wall_s": wall}
-    if proc.returncode != 0 or not figures.exists():
+    row: dict[str, Any] = {"run": index, "rc": code, "wall_s": wall}
+    if code != 0 or not figures.exists():
         row["error"] = (err.strip().splitlines() or ["(no output)"])[-1][-300:]
         return row
     figures_of: dict[str, Any] = json.loads(figures.read_text())

@@ -24,11 +24,9 @@ to tell where a miss comes from.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,6 +42,7 @@ from _common import (
     ensure_repo_on_path,
     machine_info,
     print_table,
+    run_in_group,
     run_line,
     uptime,
     write_json,
@@ -121,35 +120,16 @@ def spawn_job(
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_")}
     t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
+    code, out, _ = run_in_group(
+        cmd, args.timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
     )
-    try:
-        out, _ = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        proc.communicate()
-        return time.perf_counter() - t0, f"timed out after {args.timeout:.0f} s"
-    except BaseException:
-        _kill_group(proc)
-        proc.communicate()
-        raise
-    finally:
-        _kill_group(proc)  # stragglers of a finished launcher, if any
     wall = time.perf_counter() - t0
-    if proc.returncode != 0:
+    if code is None:
+        return wall, f"timed out after {args.timeout:.0f} s"
+    if code != 0:
         tail = out.decode(errors="replace").strip().splitlines()[-5:]
-        return wall, f"exit {proc.returncode}: " + " | ".join(tail)[-400:]
+        return wall, f"exit {code}: " + " | ".join(tail)[-400:]
     return wall, None
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------------------------

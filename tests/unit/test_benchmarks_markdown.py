@@ -463,6 +463,20 @@ def test_demo_verdict_fails_on_a_slow_or_failed_run(bench: Any) -> None:
     assert mod.verdict([])["met"] is False
 
 
+def suite_summary(scripts: list[dict[str, Any]], total_s: float) -> dict[str, Any]:
+    """A ``summary.json`` as ``python -m benchmarks --quick`` writes it, with ``scripts``."""
+    return {
+        "command": "python -m benchmarks --quick",
+        "date": "2026-12-04 21:40 UTC",
+        "uptime_before": "load average: 0.1",
+        "uptime_after": "load average: 1.9",
+        "machine": {"cpus": 2, "python": "3.11.7"},
+        "quick": True,
+        "total_s": total_s,
+        "scripts": scripts,
+    }
+
+
 def test_suite_markdown_lists_every_headline_with_its_verdict(
     bench: Any, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -473,18 +487,8 @@ def test_suite_markdown_lists_every_headline_with_its_verdict(
         {"name": "bench_demo", "status": "ok", "seconds": 45.2, "rows": m._demo(demo)},
         {"name": "bench_gpu", "status": "ok", "seconds": 3.0, "rows": [], "note": "no extractor"},
     ]
-    data = {
-        "command": "python -m benchmarks --quick",
-        "date": "2026-12-04 21:40 UTC",
-        "uptime_before": "load average: 0.1",
-        "uptime_after": "load average: 1.9",
-        "machine": {"cpus": 2, "python": "3.11.7"},
-        "quick": True,
-        "total_s": 48.2,
-        "scripts": scripts,
-    }
     path = tmp_path / "summary.json"
-    path.write_text(json.dumps(data))
+    path.write_text(json.dumps(suite_summary(scripts, 48.2)))
     assert m.main(["--markdown", str(path)]) == 0
     text = capsys.readouterr().out
     assert text.startswith("## All of it (`python -m benchmarks --quick`)")
@@ -503,16 +507,7 @@ def test_suite_markdown_escapes_cells_and_refuses_bad_files(
     m = bench("benchmarks.__main__")
     failed = {"name": "bench_x", "status": "exit 1", "seconds": 3.0, "rows": []}
     failed["note"] = "Traceback | a | b"
-    data = {
-        "command": "python -m benchmarks",
-        "date": "2026-12-04 21:40 UTC",
-        "uptime_before": "a",
-        "uptime_after": "b",
-        "machine": {"cpus": 2, "python": "3.11.7"},
-        "total_s": 3.0,
-        "scripts": [failed],
-    }
-    text = m.markdown(data)
+    text = m.markdown(suite_summary([failed], 3.0))
     assert "| bench_x | exit 1 | Traceback \\| a \\| b | | | 3 |" in text
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"quick": False, "total_s": 1.0, "scripts": []}))

@@ -1,11 +1,8 @@
 """Cheap checks of the benchmark scripts' plumbing: argument parsing, bookkeeping, the suite's
-summary extractors. Nothing here trains or times anything; one test runs a tiny script to check
-that the suite kills a script past its limit together with its children."""
+summary extractors. Nothing here trains, spawns or times anything."""
 
 from __future__ import annotations
 
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -493,30 +490,3 @@ def test_suite_extractors_say_what_failed(bench: Any) -> None:
         "verdict": {"target_s": 180.0, "max_wall_s": 40.0, "met": True},
     }
     assert m._demo(demo)[1]["value"] == "n/a"
-
-
-def test_suite_kills_a_script_past_its_limit_with_its_children(bench: Any, tmp_path: Path) -> None:
-    m = bench("benchmarks.__main__")
-    pid_file = tmp_path / "child.pid"
-    script = (
-        "import subprocess, sys, time\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
-        "time.sleep(60)\n"
-    )
-    with (tmp_path / "log").open("wb") as sink:
-        assert m.run_group([sys.executable, "-c", script], sink, 3.0) is None
-    child = int(pid_file.read_text())
-
-    def gone() -> bool:  # killed: reaped, or a zombie awaiting its new parent's wait()
-        try:
-            return Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            return True
-
-    deadline = time.monotonic() + 10.0
-    while not gone() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert gone(), "the script's child outlived the suite's kill"
-    with (tmp_path / "log").open("wb") as sink:
-        assert m.run_group([sys.executable, "-c", "raise SystemExit(3)"], sink, 30.0) == 3
