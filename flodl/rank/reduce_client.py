@@ -372,15 +372,9 @@ class ReduceClient:
         """Head and payloads of the upload of ``tensors`` scaled by ``weight`` (no payloads on
         the stream when they go into the shared segment)."""
         if self._lane is not None and weight > 0:
-            views = self._lane.upload_views(kind)  # (f32 even with bf16 wire)
+            views = self._lane.upload_views(kind, bf16)
             for t, v in zip(tensors, views, strict=True):
-                t = t.detach()
-                if weight == 1.0 or t.device.type != "cpu":
-                    v.copy_(t)
-                    if weight != 1.0:
-                        v.mul_(weight)
-                else:
-                    self._scale_into(v, t, weight)
+                self._fill(v, t.detach(), weight)
             head, _ = encode_frame_parts(
                 views, kind=kind, weight=weight, round=cycle, elide_zeros=False, flags=FLAG_SHM
             )
@@ -432,14 +426,21 @@ class ReduceClient:
             scratch = self._scratch.get(key)
             if scratch is None or scratch.dtype != wire:
                 scratch = self._scratch[key] = torch.empty(t.shape, dtype=wire)
-            if t.device.type == "cpu":
-                self._scale_into(scratch, t, weight)
-            else:
-                scratch.copy_(t)
-                if weight != 1.0:
-                    scratch.mul_(weight)
+            self._fill(scratch, t, weight)
             out.append(scratch)
         return out
+
+    def _fill(self, dst: torch.Tensor, src: torch.Tensor, weight: float) -> None:
+        """``dst = src * weight`` in ``dst``'s dtype: the one rule for both lanes, so a
+        shared-memory upload holds the values a TCP upload of the same wire carries."""
+        if src.device.type != "cpu":
+            dst.copy_(src)
+            if weight != 1.0:
+                dst.mul_(weight)
+        elif weight == 1.0:
+            dst.copy_(src)
+        else:
+            self._scale_into(dst, src, weight)
 
     def _scale_into(self, dst: torch.Tensor, src: torch.Tensor, weight: float) -> None:
         """``dst = src * weight``, rounded once into ``dst``'s dtype. Into bf16 from f32 the

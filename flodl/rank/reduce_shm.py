@@ -27,6 +27,8 @@ from flodl.wire.tensors import TensorKind
 __all__ = ["LocalLane", "lane_problem"]
 
 _KINDS = (TensorKind.MODEL_PARAMS, TensorKind.MODEL_BUFFERS)
+ROUND_STAGE_ELEMENTS = 1 << 18
+"""Elements per piece of the consensus's rounding through bf16 (stays in a core's cache)."""
 
 
 def lane_problem(params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> str | None:
@@ -69,9 +71,9 @@ class LocalLane:
         self.consensus_layout = SegmentLayout.of(*args, slots=2)
         self.upload = Segment.create(self.upload_layout.nbytes, "flodl-upload")
         self.consensus: Segment | None = None
-        self._upload_views: dict[TensorKind, list[torch.Tensor]] = {}
+        self._upload_views: dict[tuple[TensorKind, bool], list[torch.Tensor]] = {}
         self._consensus_views: dict[tuple[TensorKind, int], list[torch.Tensor]] = {}
-        self._rounding: dict[TensorKind, list[torch.Tensor]] = {}
+        self._round_stage = torch.empty(0, dtype=torch.bfloat16)
         self._stamps: torch.Tensor | None = None
 
     def accept(self, answer: Answer) -> None:
@@ -99,17 +101,20 @@ class LocalLane:
     def _regions(self, layout: SegmentLayout, kind: TensorKind, slot: int) -> tuple[Region, ...]:
         return layout.params[slot] if kind is TensorKind.MODEL_PARAMS else layout.buffers[slot]
 
-    def upload_views(self, kind: TensorKind) -> list[torch.Tensor]:
-        """Where a round's upload of ``kind`` goes, in the tensors' own dtypes (bf16 wire does
-        not narrow f32 here: in memory that costs a pass and saves nothing; the consensus is
-        still rounded through bf16 on receipt, :meth:`apply`)."""
-        views = self._upload_views.get(kind)
+    def upload_views(self, kind: TensorKind, bf16: bool) -> list[torch.Tensor]:
+        """Where a round's upload of ``kind`` goes: the tensors' own dtypes, or with ``bf16``
+        (this round's wire) f32 tensors narrowed to bf16 in the first half of their region, as
+        a TCP rank of the same wire sends them (half the bytes to write and to fold)."""
+        views = self._upload_views.get((kind, bf16))
         if views is None:
             accs = self._accs[kind]
-            wire = dict(zip(accs, self._natives[kind], strict=True))
+            natives = self._natives[kind]
+            if bf16:
+                natives = [torch.bfloat16 if d == torch.float32 else d for d in natives]
+            wire = dict(zip(accs, natives, strict=True))
             regions = self._regions(self.upload_layout, kind, 0)
             views = tensor_views(regions, self._shapes[kind], accs, self.upload.data, wire)
-            self._upload_views[kind] = views
+            self._upload_views[(kind, bf16)] = views
         return views
 
     def consensus_views(
@@ -157,21 +162,21 @@ class LocalLane:
         bf16: bool,
     ) -> None:
         """Copy the consensus ``src`` into ``dst``; with ``bf16`` (this round's wire) f32
-        tensors are rounded through bf16 first, so the values are those a TCP rank of the
-        same wire receives."""
-        if not bf16:
-            for d, s in zip(dst, src, strict=True):
+        tensors are rounded through bf16 on the way, so the values are those a TCP rank of the
+        same wire receives. The rounding goes through a cache-sized bf16 stage, piece by piece:
+        memory is read and written once, as by a plain copy."""
+        for d, s in zip(dst, src, strict=True):
+            if not bf16 or s.dtype != torch.float32:
                 d.copy_(s)
-            return
-        rounding = self._rounding.get(kind)
-        if rounding is None:
-            rounding = self._rounding[kind] = [
-                torch.empty(s.shape, dtype=torch.bfloat16) if s.dtype == torch.float32 else s
-                for s in src
-            ]
-        for d, s, r in zip(dst, src, rounding, strict=True):
-            if s.dtype == torch.float32:
-                r.copy_(s)
-                d.copy_(r)
+            elif not d.is_contiguous():
+                d.copy_(s.to(torch.bfloat16))
             else:
-                d.copy_(s)
+                flat_d, flat_s = d.view(-1), s.reshape(-1)
+                n = flat_s.numel()
+                if self._round_stage.numel() < min(n, ROUND_STAGE_ELEMENTS):
+                    self._round_stage = torch.empty(ROUND_STAGE_ELEMENTS, dtype=torch.bfloat16)
+                for start in range(0, n, ROUND_STAGE_ELEMENTS):
+                    end = min(n, start + ROUND_STAGE_ELEMENTS)
+                    part = self._round_stage[: end - start]
+                    part.copy_(flat_s[start:end])
+                    flat_d[start:end].copy_(part)

@@ -112,6 +112,9 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = DATA_HANDSHAKE_TIMEOUT_S
 READ_TIMEOUT_S = 120.0
 """Default per-read deadline inside a frame, and per-send deadline (``REDUCE_READ_DEADLINE``)."""
+FOLD_CHUNK_ELEMENTS = 1 << 20
+"""Elements per piece of a fold that widens bf16 uploads (4 MiB of f32: the piece, its widened
+source and its bf16 sources stay in the last-level cache)."""
 _EXTRA_CONNECTIONS = 8
 """Connections allowed beyond one per rank and one reconnect each (handshakes in flight)."""
 
@@ -795,22 +798,36 @@ class ReduceServer:
         self._acc[kind] = acc
         for dtype, out in acc.flats.items():
             srcs = [p.flats[dtype] for p in parts]
-            if len(srcs) == 1 or srcs[0].dtype != dtype or srcs[1].dtype != dtype:
-                out.copy_(srcs[0])
-                rest = srcs[1:]
-            else:
-                torch.add(srcs[0], srcs[1], out=out)
-                rest = srcs[2:]
-            for src in rest:
-                if src.dtype != dtype:  # widened into a kept buffer (add_ would allocate one)
-                    wide = self._widen.get(dtype)
-                    if wide is None or wide.numel() != out.numel():
-                        wide = self._widen[dtype] = torch.empty_like(out)
-                    wide.copy_(src)
-                    src = wide
-                out.add_(src)
-            if divisor != 1.0:
-                out.div_(divisor)
+            if all(s.dtype == dtype for s in srcs):  # no widening: whole-tensor passes
+                self._fold_chunk(out, srcs, divisor)
+                continue
+            n = out.numel()
+            for start in range(0, n, FOLD_CHUNK_ELEMENTS):
+                end = min(n, start + FOLD_CHUNK_ELEMENTS)
+                self._fold_chunk(out[start:end], [s[start:end] for s in srcs], divisor)
+
+    def _fold_chunk(self, out: torch.Tensor, srcs: list[torch.Tensor], divisor: float) -> None:
+        """One cache-sized piece of a fold: every pass over it (the sum in rank order, a
+        widening, the division) runs while it is in cache, so memory is read once per source
+        and written once, not once per pass (the arithmetic is the unchunked fold's)."""
+        dtype = out.dtype
+        if len(srcs) == 1 or srcs[0].dtype != dtype or srcs[1].dtype != dtype:
+            out.copy_(srcs[0])
+            rest = srcs[1:]
+        else:
+            torch.add(srcs[0], srcs[1], out=out)
+            rest = srcs[2:]
+        for src in rest:
+            if src.dtype != dtype:  # widened into a kept buffer (add_ would allocate one)
+                wide = self._widen.get(dtype)
+                if wide is None or wide.numel() < out.numel():
+                    wide = self._widen[dtype] = torch.empty(out.numel(), dtype=dtype)
+                part = wide[: out.numel()]
+                part.copy_(src)
+                src = part
+            out.add_(src)
+        if divisor != 1.0:
+            out.div_(divisor)
 
     def _outgoing(
         self, kind: TensorKind, cycle: int, divisor: float, wire: tuple[WireDtype, ...]

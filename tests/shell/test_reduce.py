@@ -418,10 +418,11 @@ def test_bf16_wire_within_bf16_tolerance() -> None:
 
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["tcp", "shared-memory"])
 def test_mixed_wire_dtypes_accumulate_in_f32_and_reply_in_kind(shared_memory: bool) -> None:
-    """A bf16-wire rank's upload is rounded on TCP; through shared memory it goes as f32 (no
-    bytes to save), but on both lanes its consensus is rounded through bf16."""
+    """A bf16-wire rank's upload is rounded to bf16 and its consensus rounded through bf16, on
+    both lanes alike (shared memory carries the same values as TCP, in half the bytes); an
+    f32-wire rank of the same round gets the f32 consensus."""
     params = [model(r, ((300,),)) for r in range(2)]
-    narrowed = params[1][0] * 3.0 if shared_memory else (params[1][0] * 3.0).bfloat16().float()
+    narrowed = (params[1][0] * 3.0).bfloat16().float()
     uploads = [params[0][0] * 2.0, narrowed]
     accumulated = (uploads[0] + uploads[1]) / 5.0  # what the server holds, in f32
     server_clients = []

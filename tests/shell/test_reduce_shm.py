@@ -30,6 +30,7 @@ from test_reduce import (
 
 from flodl.errors import CoordinatorLost
 from flodl.rank.reduce_shm import LocalLane
+from flodl.service.reduce import FOLD_CHUNK_ELEMENTS
 from flodl.wire.shm import (
     ANSWER_BYTES,
     PROBE_BYTES,
@@ -52,7 +53,8 @@ RANK_SCRIPT = textwrap.dedent(
     port, rank, world, shm, bf16, out = sys.argv[1:]
     rank, world = int(rank), int(world)
     gen = torch.Generator().manual_seed(1000 + rank)
-    params = [torch.randn(64, 33, generator=gen), torch.randn(17, generator=gen)]
+    params = [torch.randn(64, 33, generator=gen), torch.randn(17, generator=gen),
+              torch.randn(CHUNK + 3, generator=gen)]  # a fold and a rounding in pieces
     buffers = [torch.randn(5, generator=gen)]
     client = ReduceClient("127.0.0.1", int(port), SECRET, rank, world, run_id=RUN,
                           bf16_wire=bf16 == "1", shared_memory=shm == "1", timeout_s=60)
@@ -70,7 +72,7 @@ RANK_SCRIPT = textwrap.dedent(
 
 def run_ranks(tmp: Path, world: int, *, shm: bool, bf16: bool = False) -> list[dict[str, Any]]:
     """``world`` rank processes through a server of this process, three rounds."""
-    script = f"SECRET = {SECRET!r}\nRUN = {RUN!r}\n" + RANK_SCRIPT
+    script = f"SECRET = {SECRET!r}\nRUN = {RUN!r}\nCHUNK = {FOLD_CHUNK_ELEMENTS}\n" + RANK_SCRIPT
     outs = [tmp / f"rank{r}-{shm}-{bf16}.pt" for r in range(world)]
     with serving(world) as (server, done):
         for cycle in (1, 2, 3):
@@ -96,6 +98,36 @@ def run_ranks(tmp: Path, world: int, *, shm: bool, bf16: bool = False) -> list[d
     return [torch.load(o) for o in outs]
 
 
+def expected_params(world: int, *, bf16: bool = False) -> list[torch.Tensor]:
+    """The rank script's parameters after its three rounds, computed here the way the server
+    folds (each upload scaled by its weight, summed in rank order, divided by the total)."""
+    gens = [torch.Generator().manual_seed(1000 + r) for r in range(world)]
+    params = [
+        [
+            torch.randn(64, 33, generator=g),
+            torch.randn(17, generator=g),
+            torch.randn(FOLD_CHUNK_ELEMENTS + 3, generator=g),
+        ]
+        for g in gens
+    ]
+    for cycle in (1, 2, 3):
+        weights = [float(r + cycle) for r in range(world)]
+        for r in range(world):
+            params[r][0].mul_(1.5).add_(r)
+        consensus = []
+        for i in range(3):
+            ups = [torch.mul(params[r][i], weights[r]) for r in range(world)]
+            if bf16:
+                ups = [u.bfloat16().float() for u in ups]
+            acc = ups[0] + ups[1]
+            for u in ups[2:]:
+                acc.add_(u)
+            acc.div_(sum(weights))
+            consensus.append(acc.bfloat16().float() if bf16 else acc)
+        params = [[c.clone() for c in consensus] for _ in range(world)]
+    return params[0]
+
+
 def test_rank_processes_average_through_memory_exactly_as_over_tcp(tmp_path: Path) -> None:
     tcp = run_ranks(tmp_path, 3, shm=False)
     shm = run_ranks(tmp_path, 3, shm=True)
@@ -106,9 +138,11 @@ def test_rank_processes_average_through_memory_exactly_as_over_tcp(tmp_path: Pat
         assert all(torch.equal(x, y) for x, y in zip(a["buffers"], b["buffers"], strict=True))
     first = shm[0]["params"]
     assert all(torch.equal(x, y) for r in shm[1:] for x, y in zip(first, r["params"], strict=True))
+    # and that arithmetic is the plain weighted mean (the fold's pieces change nothing)
+    assert all(torch.equal(x, y) for x, y in zip(first, expected_params(3), strict=True))
 
 
-def test_bf16_wire_through_memory_rounds_the_consensus_like_tcp(tmp_path: Path) -> None:
+def test_bf16_wire_through_memory_carries_what_tcp_carries(tmp_path: Path) -> None:
     shm = run_ranks(tmp_path, 2, shm=True, bf16=True)
     tcp = run_ranks(tmp_path, 2, shm=False, bf16=True)
     for r in shm:
@@ -116,8 +150,11 @@ def test_bf16_wire_through_memory_rounds_the_consensus_like_tcp(tmp_path: Path) 
         for p in r["params"]:  # every value is a bf16 value: the consensus was rounded
             assert torch.equal(p, p.bfloat16().float())
     assert all(torch.equal(x, y) for x, y in zip(shm[0]["params"], shm[1]["params"], strict=True))
-    for x, y in zip(shm[0]["params"], tcp[0]["params"], strict=True):  # uploads differ: f32
-        torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)
+    # uploads narrowed to bf16 on both lanes: the same consensus, bit for bit
+    for a, b in zip(shm, tcp, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
+    expected = expected_params(2, bf16=True)
+    assert all(torch.equal(x, y) for x, y in zip(shm[0]["params"], expected, strict=True))
 
 
 def test_a_server_without_the_lane_declines_and_the_rank_keeps_tcp() -> None:
