@@ -200,6 +200,9 @@ class Coordinator:
         if event.kind not in self._accepts:  # accepts(self.phase, kind), without hashing it
             self._not_accepted(event, now, out)
             return out
+        if type(event) in _RANK_FRAME_HANDLERS:  # the hot path: a frame of a live rank
+            self._on_rank_frame(event, now, out)  # type: ignore[arg-type]
+            return out
         match event:
             case Hello():
                 self._on_hello(event, now, out)
@@ -614,48 +617,59 @@ class Coordinator:
         if not membership.in_range(rank) or not membership.is_alive(rank):
             return  # late frames from a dead or finished rank change nothing
         membership.seen(rank, now)
+        on = _RANK_FRAME_HANDLERS.get(type(frame))
+        if on is None:
+            return
         try:
-            match frame:
-                case Heartbeat():
-                    return
-                case Batch():
-                    self._on_batch(frame, now, out)
-                case SnapshotReady():
-                    self.averaging.on_snapshot(frame)
-                case SyncAck():
-                    if self.averaging.on_ack(frame):
-                        self._finalize_cycle(now, out)
-                case Metrics():
-                    self.reporting.on_metrics(frame)
-                case LrUpdate():
-                    self.averaging.on_lr(frame)
-                case Intent():
-                    self.callbacks.intents.add(frame.intent)
-                case EvalResult():
-                    if (
-                        self.callbacks.on_eval_result(frame, out)
-                        and self.phase is RunPhase.FINAL_EVAL
-                    ):
-                        self._begin_shutdown("the final eval finished", now, out)
-                case CheckpointResult():
-                    self.callbacks.on_checkpoint_result(frame, out)
-                case BundleSaved():
-                    self.callbacks.on_bundle_saved(frame, out, ranks_stopped=self._stop_sent)
-                    self._maybe_release_stop(out)
-                case EpochFnElapsed():
-                    self.callbacks.observe_epoch_fn(rank, frame.elapsed_ms, out)
-                case ResourceSample():
-                    out.append(Record(self.paths[rank], "resource", frame.model_dump()))
-                case PartitionRevoked():
-                    training = self.phase is RunPhase.TRAINING
-                    self.dispatch.on_revoked(frame, out, redistribute=training)
-                    self._maybe_trigger(now, out)
-                case Exiting():
-                    self._on_exiting(rank, now, out)
-                case _:
-                    return
+            on(self, frame, now, out)
         except RemoteProtocolError as exc:
             self._declare_dead(rank, f"protocol violation: {exc}", now, out)
+
+    # One handler per rank frame type, found by a dict lookup on the frame's type (a ``match``
+    # tried the cases in turn: on the per-cycle frames that was a tenth of their cost).
+    def _on_heartbeat(self, frame: Heartbeat, now: float, out: list[Effect]) -> None:
+        return
+
+    def _on_snapshot(self, frame: SnapshotReady, now: float, out: list[Effect]) -> None:
+        self.averaging.on_snapshot(frame)
+
+    def _on_sync_ack(self, frame: SyncAck, now: float, out: list[Effect]) -> None:
+        if self.averaging.on_ack(frame):
+            self._finalize_cycle(now, out)
+
+    def _on_metrics(self, frame: Metrics, now: float, out: list[Effect]) -> None:
+        self.reporting.on_metrics(frame)
+
+    def _on_lr(self, frame: LrUpdate, now: float, out: list[Effect]) -> None:
+        self.averaging.on_lr(frame)
+
+    def _on_intent(self, frame: Intent, now: float, out: list[Effect]) -> None:
+        self.callbacks.intents.add(frame.intent)
+
+    def _on_eval_result(self, frame: EvalResult, now: float, out: list[Effect]) -> None:
+        if self.callbacks.on_eval_result(frame, out) and self.phase is RunPhase.FINAL_EVAL:
+            self._begin_shutdown("the final eval finished", now, out)
+
+    def _on_checkpoint_result(self, frame: CheckpointResult, now: float, out: list[Effect]) -> None:
+        self.callbacks.on_checkpoint_result(frame, out)
+
+    def _on_bundle_saved(self, frame: BundleSaved, now: float, out: list[Effect]) -> None:
+        self.callbacks.on_bundle_saved(frame, out, ranks_stopped=self._stop_sent)
+        self._maybe_release_stop(out)
+
+    def _on_epoch_fn_elapsed(self, frame: EpochFnElapsed, now: float, out: list[Effect]) -> None:
+        self.callbacks.observe_epoch_fn(frame.rank, frame.elapsed_ms, out)
+
+    def _on_resource_sample(self, frame: ResourceSample, now: float, out: list[Effect]) -> None:
+        out.append(Record(self.paths[frame.rank], "resource", frame.model_dump()))
+
+    def _on_revoked(self, frame: PartitionRevoked, now: float, out: list[Effect]) -> None:
+        training = self.phase is RunPhase.TRAINING
+        self.dispatch.on_revoked(frame, out, redistribute=training)
+        self._maybe_trigger(now, out)
+
+    def _on_exiting_frame(self, frame: Exiting, now: float, out: list[Effect]) -> None:
+        self._on_exiting(frame.rank, now, out)
 
     def _on_batch(self, batch: Batch, now: float, out: list[Effect]) -> None:
         rank = batch.rank
@@ -770,3 +784,22 @@ class Coordinator:
                 self.callbacks.roles.on_first_calibration(
                     range(self.world_size), self.elche.smoothed_ms
                 )
+
+
+_RANK_FRAME_HANDLERS: dict[type, Any] = {
+    Heartbeat: Coordinator._on_heartbeat,
+    Batch: Coordinator._on_batch,
+    SnapshotReady: Coordinator._on_snapshot,
+    SyncAck: Coordinator._on_sync_ack,
+    Metrics: Coordinator._on_metrics,
+    LrUpdate: Coordinator._on_lr,
+    Intent: Coordinator._on_intent,
+    EvalResult: Coordinator._on_eval_result,
+    CheckpointResult: Coordinator._on_checkpoint_result,
+    BundleSaved: Coordinator._on_bundle_saved,
+    EpochFnElapsed: Coordinator._on_epoch_fn_elapsed,
+    ResourceSample: Coordinator._on_resource_sample,
+    PartitionRevoked: Coordinator._on_revoked,
+    Exiting: Coordinator._on_exiting_frame,
+}
+"""Every rank frame the machine acts on (Hello is an input of its own), by exact type."""
