@@ -72,7 +72,7 @@ class LocalLane:
         self.upload = Segment.create(self.upload_layout.nbytes, "flodl-upload")
         self.consensus: Segment | None = None
         self._upload_views: dict[tuple[TensorKind, bool], list[torch.Tensor]] = {}
-        self._consensus_views: dict[tuple[TensorKind, int], list[torch.Tensor]] = {}
+        self._consensus_views: dict[tuple[object, ...], list[torch.Tensor]] = {}
         self._round_stage = torch.empty(0, dtype=torch.bfloat16)
         self._stamps: torch.Tensor | None = None
 
@@ -121,22 +121,34 @@ class LocalLane:
         self, kind: TensorKind, prefix: FramePrefix
     ) -> tuple[int, list[torch.Tensor]]:
         """The slot a shared-memory consensus frame names and its tensors there, after
-        checking the frame's table against the model.
+        checking the frame's table against the model: each region in its accumulation dtype,
+        or an f32 region wholly as bf16 (a round every rank sent as bf16).
 
         Raises:
-            FrameError: the table is not this model's in its accumulation dtypes.
+            FrameError: the table is not this model's in those dtypes.
         """
-        got = [(s.shape, s.dtype.torch_dtype) for s in prefix.layout.specs]
-        want = list(zip(self._shapes[kind], self._accs[kind], strict=True))
-        if got != want or any(s.elided for s in prefix.layout.specs):
+        specs = prefix.layout.specs
+        shapes = [s.shape for s in specs]
+        wires: dict[torch.dtype, torch.dtype] = {}
+        fits = shapes == self._shapes[kind] and not any(s.elided for s in specs)
+        if fits:
+            for spec, acc in zip(specs, self._accs[kind], strict=True):
+                wire = spec.dtype.torch_dtype
+                narrowed = acc == torch.float32 and wire == torch.bfloat16
+                if (wire != acc and not narrowed) or wires.setdefault(acc, wire) != wire:
+                    fits = False
+                    break
+        if not fits:
             raise FrameError(f"shared-memory consensus {kind.name} table is not the model's")
         slot = 1 if prefix.header.flags & FLAG_SLOT1 else 0
-        key = (kind, slot)
+        key = (kind, slot, tuple(sorted(wires.items(), key=str)))
         views = self._consensus_views.get(key)
         if views is None:
             assert self.consensus is not None
             regions = self._regions(self.consensus_layout, kind, slot)
-            views = tensor_views(regions, self._shapes[kind], self._accs[kind], self.consensus.data)
+            views = tensor_views(
+                regions, self._shapes[kind], self._accs[kind], self.consensus.data, wires
+            )
             self._consensus_views[key] = views
         return slot, views
 
@@ -164,7 +176,8 @@ class LocalLane:
         """Copy the consensus ``src`` into ``dst``; with ``bf16`` (this round's wire) f32
         tensors are rounded through bf16 on the way, so the values are those a TCP rank of the
         same wire receives. The rounding goes through a cache-sized bf16 stage, piece by piece:
-        memory is read and written once, as by a plain copy."""
+        memory is read and written once, as by a plain copy. A consensus the server already
+        wrote as bf16 is only widened."""
         for d, s in zip(dst, src, strict=True):
             if not bf16 or s.dtype != torch.float32:
                 d.copy_(s)

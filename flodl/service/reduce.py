@@ -203,7 +203,7 @@ class ReduceServer:
         # Owned by the worker thread.
         self._acc: dict[TensorKind, Flat] = {}  # the last fold's, private or a shared slot
         self._own: dict[TensorKind, Flat] = {}
-        self._widen: dict[torch.dtype, torch.Tensor] = {}
+        self._widen: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._mirror: dict[TensorKind, tuple[Flat, int]] = {}  # and the fold it mirrors
         self._folds = 0
         # The outer optimizer (CPU placement): applied by the worker to each folded consensus;
@@ -698,7 +698,9 @@ class ReduceServer:
             with self._cond:
                 models = dict(self._models)
             # ranks on this host read the consensus in place: fold into a shared slot
-            slot = self._lane.slot(models) if any(u.shm for u in uploads) else None
+            slot = None
+            if any(u.shm for u in uploads):
+                slot = self._lane.slot(models, self._narrow_kinds(models, uploads))
             into = {} if slot is None else slot[1]
             with torch.no_grad():
                 self._fold(kinds[0], weighted, weight_total, into.get(kinds[0]))
@@ -779,6 +781,26 @@ class ReduceServer:
         with self._outer_lock:
             return self._outer.state()
 
+    def _narrow_kinds(
+        self, models: dict[TensorKind, Model], uploads: list[Upload]
+    ) -> frozenset[TensorKind]:
+        """The kinds whose consensus goes into the shared slot as bf16: every rank of the
+        round sent that kind's f32 tensors as bf16, so every rank receives them as bf16 (and
+        no outer optimizer steps the f32 consensus of the parameters)."""
+        narrow = set()
+        for kind, model in models.items():
+            f32 = [i for i, d in enumerate(model.dtypes) if d == torch.float32]
+            if not f32 or (kind is TensorKind.MODEL_PARAMS and self._outer is not None):
+                continue
+            if all(
+                (u.param_wire if kind is TensorKind.MODEL_PARAMS else u.buffer_wire)[i]
+                is WireDtype.BF16
+                for u in uploads
+                for i in f32
+            ):
+                narrow.add(kind)
+        return frozenset(narrow)
+
     def _fold(
         self, kind: TensorKind, parts: list[Flat], divisor: float, into: Flat | None = None
     ) -> None:
@@ -787,7 +809,9 @@ class ReduceServer:
 
         Parts read in place from a shared segment may hold bf16 for an f32 accumulator: they
         are widened first, so the sum is the same f32 arithmetic as for a TCP upload (whose
-        bf16 payload was widened on receipt)."""
+        bf16 payload was widened on receipt). A slot region viewed as bf16 (a narrowed round,
+        :meth:`_narrow_kinds`) receives each piece's f32 result rounded to bf16, the values a
+        TCP rank of bf16 wire receives."""
         if not parts:
             return  # nothing received: the frame goes out elided with weight 0
         acc = into if into is not None else self._own.get(kind)
@@ -798,13 +822,29 @@ class ReduceServer:
         self._acc[kind] = acc
         for dtype, out in acc.flats.items():
             srcs = [p.flats[dtype] for p in parts]
-            if all(s.dtype == dtype for s in srcs):  # no widening: whole-tensor passes
-                self._fold_chunk(out, srcs, divisor)
+            if out.dtype == dtype and all(s.dtype == dtype for s in srcs):
+                self._fold_chunk(out, srcs, divisor)  # no widening: whole-tensor passes
                 continue
             n = out.numel()
             for start in range(0, n, FOLD_CHUNK_ELEMENTS):
                 end = min(n, start + FOLD_CHUNK_ELEMENTS)
-                self._fold_chunk(out[start:end], [s[start:end] for s in srcs], divisor)
+                piece = [s[start:end] for s in srcs]
+                if out.dtype == dtype:
+                    self._fold_chunk(out[start:end], piece, divisor)
+                else:  # summed in the accumulation dtype, then rounded into the slot
+                    wide = self._scratch(("sum", dtype), end - start, dtype)
+                    self._fold_chunk(wide, piece, divisor)
+                    out[start:end].copy_(wide)
+
+    def _scratch(
+        self, key: tuple[str, torch.dtype], numel: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """A kept buffer of at least one fold piece (allocating one per round would cost more
+        than the piece's work)."""
+        buf = self._widen.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._widen[key] = torch.empty(max(numel, FOLD_CHUNK_ELEMENTS), dtype=dtype)
+        return buf[:numel]
 
     def _fold_chunk(self, out: torch.Tensor, srcs: list[torch.Tensor], divisor: float) -> None:
         """One cache-sized piece of a fold: every pass over it (the sum in rank order, a
@@ -819,10 +859,7 @@ class ReduceServer:
             rest = srcs[2:]
         for src in rest:
             if src.dtype != dtype:  # widened into a kept buffer (add_ would allocate one)
-                wide = self._widen.get(dtype)
-                if wide is None or wide.numel() < out.numel():
-                    wide = self._widen[dtype] = torch.empty(out.numel(), dtype=dtype)
-                part = wide[: out.numel()]
+                part = self._scratch(("widen", dtype), out.numel(), dtype)
                 part.copy_(src)
                 src = part
             out.add_(src)
@@ -847,7 +884,7 @@ class ReduceServer:
             return Outgoing(head, payloads)
         acc = self._acc[kind]
         tensors = acc.views
-        if any(w is WireDtype.BF16 for w in wire):
+        if any(w.torch_dtype != a.dtype for w, a in zip(wire, tensors, strict=True)):
             mirror = self._mirror_of(kind, model, acc)
             tensors = [
                 m if w is WireDtype.BF16 else a

@@ -69,7 +69,7 @@ class ShmLane:
         self._consensus: Segment | None = None
         self._slot_bytes = 0
         # Owned by the fold worker once the consensus segment exists.
-        self._slots: tuple[dict[TensorKind, Flat], ...] | None = None
+        self._slots: tuple[dict[tuple[TensorKind, bool], Flat], ...] | None = None
         self._stamps: torch.Tensor | None = None
         self._next = 0
 
@@ -169,10 +169,16 @@ class ShmLane:
         return flat
 
     # ------------------------------------------------------------------ fold worker
-    def slot(self, models: dict[TensorKind, Model]) -> tuple[int, dict[TensorKind, Flat]] | None:
+    def slot(
+        self, models: dict[TensorKind, Model], narrow: frozenset[TensorKind] = frozenset()
+    ) -> tuple[int, dict[TensorKind, Flat]] | None:
         """The slot the next fold writes (alternating), as the accumulators of both kinds, its
         stamp set to "being written"; None when the lane is not active or the model does not
-        fit it (the fold then uses private memory)."""
+        fit it (the fold then uses private memory).
+
+        ``narrow``: the kinds whose f32 region holds this round's consensus as bf16, in the
+        first half of the region (a round whose every rank has bf16 wire: each reads half the
+        bytes and rounds nothing)."""
         if self._consensus is None or len(models) < 2:
             return None
         if self._slots is None:
@@ -187,13 +193,23 @@ class ShmLane:
                 self.enabled = False
                 return None
             base = self._consensus.data
+            kinds = (
+                (TensorKind.MODEL_PARAMS, layout.params),
+                (TensorKind.MODEL_BUFFERS, layout.buffers),
+            )
             self._slots = tuple(
                 {
-                    kind: _flat(models[kind], regions[k], base, tuple(r.dtype for r in regions[k]))
-                    for kind, regions in (
-                        (TensorKind.MODEL_PARAMS, layout.params),
-                        (TensorKind.MODEL_BUFFERS, layout.buffers),
+                    (kind, narrowed): _flat(
+                        models[kind],
+                        regions[k],
+                        base,
+                        tuple(
+                            torch.bfloat16 if narrowed and r.dtype == torch.float32 else r.dtype
+                            for r in regions[k]
+                        ),
                     )
+                    for kind, regions in kinds
+                    for narrowed in (False, True)
                 }
                 for k in range(2)
             )
@@ -201,7 +217,11 @@ class ShmLane:
         k = self._next
         self._next ^= 1
         self._stamps[k] = STAMP_WRITING
-        return k, self._slots[k]
+        flats = self._slots[k]
+        return k, {
+            kind: flats[(kind, kind in narrow)]
+            for kind in (TensorKind.MODEL_PARAMS, TensorKind.MODEL_BUFFERS)
+        }
 
     def stamp(self, slot: int, cycle: int) -> None:
         """Slot ``slot`` now holds round ``cycle``'s consensus."""

@@ -29,6 +29,8 @@ from test_reduce import (
 )
 
 from flodl.errors import CoordinatorLost
+from flodl.outer import SlowMomentum
+from flodl.rank.reduce_client import ReduceClient
 from flodl.rank.reduce_shm import LocalLane
 from flodl.service.reduce import FOLD_CHUNK_ELEMENTS
 from flodl.wire.shm import (
@@ -234,3 +236,84 @@ def test_a_slot_rewritten_under_its_reader_is_an_error_not_a_mix() -> None:
                 LocalLane(params, buffers).accept(Answer(True, cons.pid, cons.fd, 64, cons.probe))
     finally:
         lane.close()
+
+
+def one_round_seen(
+    monkeypatch: pytest.MonkeyPatch,
+    params: list[list[torch.Tensor]],
+    wires: tuple[bool, bool],
+    **server: Any,
+) -> list[list[torch.dtype]]:
+    """Round 1 of two shared-memory ranks (bf16 wire or not, weights 2 and 3); the dtypes of
+    the parameters' consensus each rank read from memory."""
+    seen: list[list[torch.dtype]] = []
+    apply = LocalLane.apply
+
+    def spy(lane: LocalLane, kind: TensorKind, dst: Any, src: Any, bf16: bool) -> None:
+        if kind is TensorKind.MODEL_PARAMS:
+            seen.append([s.dtype for s in src])
+        apply(lane, kind, dst, src, bf16)
+
+    monkeypatch.setattr(LocalLane, "apply", spy)
+    with serving(2, **server) as (srv, _):
+        made = []
+        try:
+            for rank, bf16 in enumerate(wires):
+                client = ReduceClient(
+                    "127.0.0.1",
+                    srv.port,
+                    SECRET,
+                    rank,
+                    2,
+                    run_id=RUN,
+                    bf16_wire=bf16,
+                    shared_memory=True,
+                )
+                made.append(client)
+                client.connect(10.0)
+            srv.open_round(1, [0, 1])
+            workers = [
+                Worker(lambda r=r: made[r].reduce(1, params[r], [2.0, 3.0][r], [], True))
+                for r in range(2)
+            ]
+            assert [w.result() for w in workers] == [(5.0, 2.0)] * 2
+            assert all(c.in_shared_memory for c in made)
+        finally:
+            for client in made:
+                client.close()
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("wires", "received"),
+    [
+        ((True, True), torch.bfloat16),  # every rank bf16: the slot holds bf16, half the bytes
+        ((False, True), torch.float32),  # an f32 rank in the round: the slot stays f32
+    ],
+)
+def test_a_round_every_rank_sends_as_bf16_is_written_to_memory_as_bf16(
+    monkeypatch: pytest.MonkeyPatch, wires: tuple[bool, bool], received: torch.dtype
+) -> None:
+    params = [model(r, ((FOLD_CHUNK_ELEMENTS + 5,), (9,))) for r in range(2)]
+    uploads = [
+        [t * w if not bf16 else (t * w).bfloat16().float() for t in p]
+        for p, w, bf16 in zip(params, (2.0, 3.0), wires, strict=True)
+    ]
+    seen = one_round_seen(monkeypatch, params, wires)
+    assert seen == [[received, received]] * 2
+    for i, (a, b) in enumerate(zip(*uploads, strict=True)):
+        mean = (a + b) / 5.0
+        assert torch.equal(params[1][i], mean.bfloat16().float())  # the bf16 rank's replica
+        if not wires[0]:
+            torch.testing.assert_close(params[0][i], mean)  # the f32 rank's, unrounded
+        else:
+            assert torch.equal(params[0][i], mean.bfloat16().float())
+
+
+def test_an_outer_optimizer_keeps_the_slot_f32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The outer step runs on the f32 consensus, so even an all-bf16 round is not narrowed."""
+    params = [model(r, ((300,), (9,))) for r in range(2)]
+    seen = one_round_seen(monkeypatch, params, (True, True), outer=SlowMomentum(lr=0.5, mu=0.5))
+    assert seen == [[torch.float32, torch.float32]] * 2
+    assert torch.equal(params[0][0], params[1][0])
+    assert torch.equal(params[0][0], params[0][0].bfloat16().float())  # still rounded on receipt
