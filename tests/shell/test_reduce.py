@@ -135,6 +135,43 @@ def model(
     return [torch.randn(shape, generator=gen) for shape in shapes]
 
 
+def one_round(
+    params: list[list[torch.Tensor]],
+    wires: tuple[bool, bool],
+    *,
+    shared_memory: bool,
+    **server_kwargs: Any,
+) -> None:
+    """Round 1 of ranks 0 and 1 (bf16 wire or not each, weights 2 and 3) through a server of
+    this process, the ranks as threads; their ``params`` become the consensus."""
+    made: list[ReduceClient] = []
+    with serving(2, **server_kwargs) as (server, _):
+        try:
+            for rank, bf16 in enumerate(wires):
+                client = ReduceClient(
+                    "127.0.0.1",
+                    server.port,
+                    SECRET,
+                    rank,
+                    2,
+                    run_id=RUN,
+                    bf16_wire=bf16,
+                    shared_memory=shared_memory,
+                )
+                made.append(client)
+                client.connect(10.0)
+            server.open_round(1, [0, 1])
+            workers = [
+                Worker(lambda r=r: made[r].reduce(1, params[r], [2.0, 3.0][r], [], True))
+                for r in range(2)
+            ]
+            assert [w.result() for w in workers] == [(5.0, 2.0)] * 2
+            assert [c.in_shared_memory for c in made] == [shared_memory] * 2
+        finally:
+            for client in made:
+                client.close()
+
+
 def weighted_mean(models: list[list[torch.Tensor]], weights: list[float]) -> list[torch.Tensor]:
     """sum_k w_k theta_k / sum_k w_k, pre-scaled and summed in rank order in f32."""
     total = sum(weights)
@@ -425,32 +462,7 @@ def test_mixed_wire_dtypes_accumulate_in_f32_and_reply_in_kind(shared_memory: bo
     narrowed = (params[1][0] * 3.0).bfloat16().float()
     uploads = [params[0][0] * 2.0, narrowed]
     accumulated = (uploads[0] + uploads[1]) / 5.0  # what the server holds, in f32
-    server_clients = []
-    with serving(2) as (server, _):
-        try:
-            for rank, bf16 in ((0, False), (1, True)):
-                client = ReduceClient(
-                    "127.0.0.1",
-                    server.port,
-                    SECRET,
-                    rank,
-                    2,
-                    run_id=RUN,
-                    bf16_wire=bf16,
-                    shared_memory=shared_memory,
-                )
-                server_clients.append(client)
-                client.connect(5.0)
-            server.open_round(1, [0, 1])
-            workers = [
-                Worker(lambda r=r: server_clients[r].reduce(1, params[r], [2.0, 3.0][r], [], True))
-                for r in range(2)
-            ]
-            assert [w.result() for w in workers] == [(5.0, 2.0)] * 2
-            assert [c.in_shared_memory for c in server_clients] == [shared_memory] * 2
-        finally:
-            for client in server_clients:
-                client.close()
+    one_round(params, (False, True), shared_memory=shared_memory)
     torch.testing.assert_close(params[0][0], accumulated, rtol=1e-6, atol=1e-6)  # f32 reply
     assert torch.equal(params[1][0], accumulated.bfloat16().float())  # bf16 reply
 

@@ -21,6 +21,7 @@ from test_reduce import (
     assert_closed_by_peer,
     clients,
     model,
+    one_round,
     raw_rank,
     recv_exactly,
     serving,
@@ -30,7 +31,6 @@ from test_reduce import (
 
 from flodl.errors import CoordinatorLost
 from flodl.outer import SlowMomentum
-from flodl.rank.reduce_client import ReduceClient
 from flodl.rank.reduce_shm import LocalLane
 from flodl.service.reduce import FOLD_CHUNK_ELEMENTS
 from flodl.wire.shm import (
@@ -255,32 +255,7 @@ def one_round_seen(
         apply(lane, kind, dst, src, bf16)
 
     monkeypatch.setattr(LocalLane, "apply", spy)
-    with serving(2, **server) as (srv, _):
-        made = []
-        try:
-            for rank, bf16 in enumerate(wires):
-                client = ReduceClient(
-                    "127.0.0.1",
-                    srv.port,
-                    SECRET,
-                    rank,
-                    2,
-                    run_id=RUN,
-                    bf16_wire=bf16,
-                    shared_memory=True,
-                )
-                made.append(client)
-                client.connect(10.0)
-            srv.open_round(1, [0, 1])
-            workers = [
-                Worker(lambda r=r: made[r].reduce(1, params[r], [2.0, 3.0][r], [], True))
-                for r in range(2)
-            ]
-            assert [w.result() for w in workers] == [(5.0, 2.0)] * 2
-            assert all(c.in_shared_memory for c in made)
-        finally:
-            for client in made:
-                client.close()
+    one_round(params, wires, shared_memory=True, **server)
     return seen
 
 
