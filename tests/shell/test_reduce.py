@@ -139,11 +139,13 @@ def one_round(
     params: list[list[torch.Tensor]],
     wires: tuple[bool, bool],
     *,
-    shared_memory: bool,
+    shared_memory: bool | tuple[bool, bool],
     **server_kwargs: Any,
 ) -> None:
-    """Round 1 of ranks 0 and 1 (bf16 wire or not each, weights 2 and 3) through a server of
-    this process, the ranks as threads; their ``params`` become the consensus."""
+    """Round 1 of ranks 0 and 1 (bf16 wire or not each, weights 2 and 3, shared memory offered
+    by both or as given per rank) through a server of this process, the ranks as threads; their
+    ``params`` become the consensus."""
+    lanes = shared_memory if isinstance(shared_memory, tuple) else (shared_memory,) * 2
     made: list[ReduceClient] = []
     with serving(2, **server_kwargs) as (server, _):
         try:
@@ -156,7 +158,7 @@ def one_round(
                     2,
                     run_id=RUN,
                     bf16_wire=bf16,
-                    shared_memory=shared_memory,
+                    shared_memory=lanes[rank],
                 )
                 made.append(client)
                 client.connect(10.0)
@@ -166,7 +168,7 @@ def one_round(
                 for r in range(2)
             ]
             assert [w.result() for w in workers] == [(5.0, 2.0)] * 2
-            assert [c.in_shared_memory for c in made] == [shared_memory] * 2
+            assert [c.in_shared_memory for c in made] == list(lanes)
         finally:
             for client in made:
                 client.close()

@@ -242,10 +242,11 @@ def one_round_seen(
     monkeypatch: pytest.MonkeyPatch,
     params: list[list[torch.Tensor]],
     wires: tuple[bool, bool],
+    lanes: tuple[bool, bool] = (True, True),
     **server: Any,
 ) -> list[list[torch.dtype]]:
-    """Round 1 of two shared-memory ranks (bf16 wire or not, weights 2 and 3); the dtypes of
-    the parameters' consensus each rank read from memory."""
+    """Round 1 of two ranks (bf16 wire or not, weights 2 and 3, shared memory or TCP); the
+    dtypes of the parameters' consensus each shared-memory rank read from memory."""
     seen: list[list[torch.dtype]] = []
     apply = LocalLane.apply
 
@@ -255,7 +256,7 @@ def one_round_seen(
         apply(lane, kind, dst, src, bf16)
 
     monkeypatch.setattr(LocalLane, "apply", spy)
-    one_round(params, wires, shared_memory=True, **server)
+    one_round(params, wires, shared_memory=lanes, **server)
     return seen
 
 
@@ -292,3 +293,15 @@ def test_an_outer_optimizer_keeps_the_slot_f32(monkeypatch: pytest.MonkeyPatch) 
     assert seen == [[torch.float32, torch.float32]] * 2
     assert torch.equal(params[0][0], params[1][0])
     assert torch.equal(params[0][0], params[0][0].bfloat16().float())  # still rounded on receipt
+
+
+def test_a_tcp_rank_of_a_narrowed_round_gets_the_same_bf16_consensus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 on TCP, rank 1 in memory, both bf16: the slot holds bf16, rank 1 reads it there,
+    rank 0 is sent it over TCP, and their replicas are identical."""
+    params = [model(r, ((FOLD_CHUNK_ELEMENTS + 5,), (9,))) for r in range(2)]
+    seen = one_round_seen(monkeypatch, params, (True, True), (False, True))
+    assert seen == [[torch.bfloat16, torch.bfloat16]]  # (only rank 1 reads memory)
+    assert all(torch.equal(a, b) for a, b in zip(params[0], params[1], strict=True))
+    assert all(torch.equal(p, p.bfloat16().float()) for p in params[0])
