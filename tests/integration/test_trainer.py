@@ -59,7 +59,9 @@ def processes_with(tag: str) -> list[str]:
     return [line for line in out.stdout.splitlines() if tag in line and "ps -eo" not in line]
 
 
-def run_script(tag: str, *extra: str, limit_s: float = 120) -> subprocess.CompletedProcess[str]:
+def run_script(
+    tag: str, *extra: str, limit_s: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(SCRIPT), "--tag", tag, *extra],
         check=False,
@@ -67,6 +69,7 @@ def run_script(tag: str, *extra: str, limit_s: float = 120) -> subprocess.Comple
         text=True,
         timeout=limit_s,
         cwd=REPO,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -141,6 +144,26 @@ def test_local_ranks_tier_runs_the_same_script_and_leaves_no_process() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "DONE params=4 world=3" in out.stdout
     assert out.stdout.count("epoch 1 loss") == 1  # metrics_fn fires once per epoch, in the launcher
+    assert processes_with(tag) == []
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("lane", ["shared memory", "TCP"])
+def test_bf16_wire_averages_through_bf16_on_either_lane(lane: str) -> None:
+    """``ElCheConfig(bf16_wire=True)``: local ranks average through shared memory (or TCP with
+    ``FLODL_SHARED_MEMORY=0``) and every final parameter is a bf16 value; without it, not."""
+    tag = f"flodl-test-{uuid.uuid4().hex}"
+    env = {"FLODL_SHARED_MEMORY": "1" if lane == "shared memory" else "0"}
+    args = ("--ranks", "2", "--epochs", "2", "--log-info")
+    bf16 = run_script(tag, *args, "--bf16-wire", env=env)
+    assert bf16.returncode == 0, bf16.stderr[-3000:]
+    assert "bf16-exact=True" in bf16.stdout
+    for rank in (0, 1):
+        said = f"rank {rank} averages through shared memory"
+        assert (said in bf16.stderr) is (lane == "shared memory"), bf16.stderr[-3000:]
+    f32 = run_script(tag, *args, env=env)
+    assert f32.returncode == 0, f32.stderr[-3000:]
+    assert "bf16-exact=False" in f32.stdout
     assert processes_with(tag) == []
 
 

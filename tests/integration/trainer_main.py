@@ -4,12 +4,14 @@ The launcher re-executes this very script per rank (``--tag`` lets the test find
 of one run). ``--crash-rank R --crash-step S`` makes rank R raise in train_step at step S;
 ``--lr-drop-at S`` gives every rank a ``scheduler_fn`` that cuts the LR 10× from step S;
 ``--heartbeat-timeout T`` sets the run's one timeout knob; ``--show-env NAME`` prints a
-variable in every process.
+variable in every process; ``--bf16-wire`` averages through bf16 (the launcher prints whether
+every final parameter is a bf16 value); ``--log-info`` sends every process's INFO log to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import time
 
@@ -33,7 +35,11 @@ def main() -> None:
     p.add_argument("--respawn", type=int, default=0)
     p.add_argument("--slow-ms", type=float, default=0.0, help="sleep per step")
     p.add_argument("--show-env", action="append", default=[], help="print this variable")
+    p.add_argument("--bf16-wire", action="store_true", help="average through bf16")
+    p.add_argument("--log-info", action="store_true", help="flodl's INFO log to stderr")
     args = p.parse_args()
+    if args.log_info:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     restart = int(os.environ.get("FLODL_RESTART_COUNT", "0"))  # set in a respawned rank
     print(
         f"process rank={os.environ.get('FLODL_RANK', 'launcher')}"
@@ -68,7 +74,7 @@ def main() -> None:
         .dataset(TensorBatchDataset(x, y))
         .batch_size(32)
         .num_epochs(args.epochs)
-        .elche(ElCheConfig.preset(args.mode))
+        .elche(ElCheConfig.preset(args.mode).model_copy(update={"bf16_wire": args.bf16_wire}))
         .local_ranks(args.ranks)
         .metrics_fn(lambda m: print(f"epoch {m.epoch} loss {m.avg_loss:.4f}", flush=True))
     )
@@ -82,6 +88,8 @@ def main() -> None:
     handle = builder.run()
     state = handle.join()
     print(f"DONE params={len(state.params)} world={handle.world_size}", flush=True)
+    exact = all(torch.equal(p, p.bfloat16().float()) for p in state.params)
+    print(f"bf16-exact={exact}", flush=True)
 
 
 if __name__ == "__main__":
