@@ -41,11 +41,12 @@ or f64 for f64 tensors; bf16 tensors accumulate in f32), in the order of each dt
 tensor, exactly as the reduce server's flat buffers; each region is :data:`ALIGN`-aligned and
 sized for the accumulation dtype. A region of f32 tensors sent as bf16 holds bf16 elements
 packed from its start: an upload of bf16 wire, or a consensus slot of a round every rank sent
-as bf16 (its frame's table says bf16). The upload segment is ``[probe region][params][buffers]``; the
-consensus segment is ``[probe, two stamps][slot 0: params, buffers][slot 1: …]``. A stamp is
-the round whose consensus its slot holds (``-1`` while the server writes it): a rank checks
-it before and after copying, so a slot rewritten under it is an error, never a silent mix.
-The server alternates slots per fold, so a slot is reused only two folds later.
+as bf16 (its frame's table says bf16). The upload segment is
+``[probe region][params][buffers]``; the consensus segment is
+``[probe, two stamps][slot 0: params, buffers][slot 1: …]``. A stamp is the round whose
+consensus its slot holds (``-1`` while the server writes it): a rank checks it before and after
+copying, so a slot rewritten under it is an error, never a silent mix. The server alternates
+slots per fold, so a slot is reused only two folds later.
 """
 
 from __future__ import annotations
