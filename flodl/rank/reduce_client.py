@@ -33,7 +33,7 @@ from typing import Self
 import torch
 
 from flodl.errors import CoordinatorLost, FrameError, LocalProtocolError
-from flodl.rank.reduce_shm import LocalLane, lane_problem
+from flodl.rank.reduce_shm import STAGE_ELEMENTS, LocalLane, lane_problem
 from flodl.wire.data_hello import (
     DATA_HANDSHAKE_TIMEOUT_S,
     HELLO_BYTES,
@@ -69,8 +69,6 @@ CONNECT_RETRY_S = 0.5
 """Pause between connection attempts (the original's 60 attempts x 500 ms)."""
 HANDSHAKE_TIMEOUT_S = DATA_HANDSHAKE_TIMEOUT_S
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
-_STAGE_ELEMENTS = 1 << 18
-"""Elements per chunk of a scaled f32 -> bf16 copy (1 MiB of f32: stays in cache)."""
 
 
 class ReduceClient:
@@ -269,10 +267,9 @@ class ReduceClient:
             movers, received_buffers, buffer_slot = self._download(TensorKind.MODEL_BUFFERS, cycle)
             with torch.no_grad():
                 if total > 0:
-                    self._apply(TensorKind.MODEL_PARAMS, params, received, slot, cycle, bf16)
+                    self._apply(params, received, slot, cycle, bf16)
                 if movers > 0:
-                    kind = TensorKind.MODEL_BUFFERS
-                    self._apply(kind, buffers, received_buffers, buffer_slot, cycle, bf16)
+                    self._apply(buffers, received_buffers, buffer_slot, cycle, bf16)
         except OSError as exc:  # includes TimeoutError
             what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc}"
             lost = CoordinatorLost(f"rank {self.rank}: reduce round {cycle} {what}")
@@ -285,7 +282,6 @@ class ReduceClient:
 
     def _apply(
         self,
-        kind: TensorKind,
         dst: Sequence[torch.Tensor],
         src: Sequence[torch.Tensor],
         slot: int | None,
@@ -300,7 +296,7 @@ class ReduceClient:
             return
         assert self._lane is not None
         self._lane.check_stamp(slot, cycle)
-        self._lane.apply(kind, dst, src, bf16)
+        self._lane.apply(dst, src, bf16)
         self._lane.check_stamp(slot, cycle)
 
     @property
@@ -452,10 +448,10 @@ class ReduceClient:
         flat_src, flat_dst = src.view(-1), dst.view(-1)
         n = flat_src.numel()
         stage = self._stage
-        if stage.dtype != src.dtype or stage.numel() < min(n, _STAGE_ELEMENTS):
-            stage = self._stage = torch.empty(min(n, _STAGE_ELEMENTS), dtype=src.dtype)
-        for start in range(0, n, _STAGE_ELEMENTS):
-            end = min(n, start + _STAGE_ELEMENTS)
+        if stage.dtype != src.dtype or stage.numel() < min(n, STAGE_ELEMENTS):
+            stage = self._stage = torch.empty(min(n, STAGE_ELEMENTS), dtype=src.dtype)
+        for start in range(0, n, STAGE_ELEMENTS):
+            end = min(n, start + STAGE_ELEMENTS)
             part = stage[: end - start]
             torch.mul(flat_src[start:end], weight, out=part)
             flat_dst[start:end].copy_(part)

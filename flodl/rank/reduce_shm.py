@@ -27,8 +27,9 @@ from flodl.wire.tensors import TensorKind
 __all__ = ["LocalLane", "lane_problem"]
 
 _KINDS = (TensorKind.MODEL_PARAMS, TensorKind.MODEL_BUFFERS)
-ROUND_STAGE_ELEMENTS = 1 << 18
-"""Elements per piece of the consensus's rounding through bf16 (stays in a core's cache)."""
+STAGE_ELEMENTS = 1 << 18
+"""Elements per piece of a rank's conversion through a small stage (a scaled upload, a
+consensus rounded through bf16): 1 MiB of f32, which stays in a core's cache."""
 
 
 def lane_problem(params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> str | None:
@@ -168,7 +169,6 @@ class LocalLane:
 
     def apply(
         self,
-        kind: TensorKind,
         dst: Sequence[torch.Tensor],
         src: Sequence[torch.Tensor],
         bf16: bool,
@@ -186,10 +186,10 @@ class LocalLane:
             else:
                 flat_d, flat_s = d.view(-1), s.reshape(-1)
                 n = flat_s.numel()
-                if self._round_stage.numel() < min(n, ROUND_STAGE_ELEMENTS):
-                    self._round_stage = torch.empty(ROUND_STAGE_ELEMENTS, dtype=torch.bfloat16)
-                for start in range(0, n, ROUND_STAGE_ELEMENTS):
-                    end = min(n, start + ROUND_STAGE_ELEMENTS)
+                if self._round_stage.numel() < min(n, STAGE_ELEMENTS):
+                    self._round_stage = torch.empty(STAGE_ELEMENTS, dtype=torch.bfloat16)
+                for start in range(0, n, STAGE_ELEMENTS):
+                    end = min(n, start + STAGE_ELEMENTS)
                     part = self._round_stage[: end - start]
                     part.copy_(flat_s[start:end])
                     flat_d[start:end].copy_(part)

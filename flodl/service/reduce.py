@@ -77,6 +77,7 @@ from flodl.errors import FrameError, LocalProtocolError
 from flodl.outer import OuterConfig, OuterStep
 from flodl.service.reduce_buffers import Consensus, Flat, Model, Outgoing, Round, Upload
 from flodl.service.reduce_conn import Conn, PeerClosed, Reader, Refused
+from flodl.service.reduce_fold import Folder, narrow_kinds
 from flodl.service.reduce_shm import ShmLane
 from flodl.service.refusals import Refusals
 from flodl.wire.data_hello import (
@@ -112,9 +113,6 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = DATA_HANDSHAKE_TIMEOUT_S
 READ_TIMEOUT_S = 120.0
 """Default per-read deadline inside a frame, and per-send deadline (``REDUCE_READ_DEADLINE``)."""
-FOLD_CHUNK_ELEMENTS = 1 << 20
-"""Elements per piece of a fold that widens bf16 uploads (4 MiB of f32: the piece, its widened
-source and its bf16 sources stay in the last-level cache)."""
 _EXTRA_CONNECTIONS = 8
 """Connections allowed beyond one per rank and one reconnect each (handshakes in flight)."""
 
@@ -203,7 +201,7 @@ class ReduceServer:
         # Owned by the worker thread.
         self._acc: dict[TensorKind, Flat] = {}  # the last fold's, private or a shared slot
         self._own: dict[TensorKind, Flat] = {}
-        self._widen: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._folder = Folder()
         self._mirror: dict[TensorKind, tuple[Flat, int]] = {}  # and the fold it mirrors
         self._folds = 0
         # The outer optimizer (CPU placement): applied by the worker to each folded consensus;
@@ -272,7 +270,7 @@ class ReduceServer:
         self._listen = self._wake_r = self._wake_w = None
         self._acc.clear()
         self._own.clear()
-        self._widen.clear()
+        self._folder.clear()
         self._mirror.clear()
         self._lane.close()
 
@@ -700,7 +698,8 @@ class ReduceServer:
             # ranks on this host read the consensus in place: fold into a shared slot
             slot = None
             if any(u.shm for u in uploads):
-                slot = self._lane.slot(models, self._narrow_kinds(models, uploads))
+                narrow = narrow_kinds(models, uploads, outer=self._outer is not None)
+                slot = self._lane.slot(models, narrow)
             into = {} if slot is None else slot[1]
             with torch.no_grad():
                 self._fold(kinds[0], weighted, weight_total, into.get(kinds[0]))
@@ -781,37 +780,11 @@ class ReduceServer:
         with self._outer_lock:
             return self._outer.state()
 
-    def _narrow_kinds(
-        self, models: dict[TensorKind, Model], uploads: list[Upload]
-    ) -> frozenset[TensorKind]:
-        """The kinds whose consensus goes into the shared slot as bf16: every rank of the
-        round sent that kind's f32 tensors as bf16, so every rank receives them as bf16 (and
-        no outer optimizer steps the f32 consensus of the parameters)."""
-        narrow = set()
-        for kind, model in models.items():
-            f32 = [i for i, d in enumerate(model.dtypes) if d == torch.float32]
-            if not f32 or (kind is TensorKind.MODEL_PARAMS and self._outer is not None):
-                continue
-            if all(
-                (u.param_wire if kind is TensorKind.MODEL_PARAMS else u.buffer_wire)[i]
-                is WireDtype.BF16
-                for u in uploads
-                for i in f32
-            ):
-                narrow.add(kind)
-        return frozenset(narrow)
-
     def _fold(
         self, kind: TensorKind, parts: list[Flat], divisor: float, into: Flat | None = None
     ) -> None:
-        """acc[kind] = sum(parts) / divisor, one flat tensor per dtype, parts in rank order;
-        into ``into`` (a shared consensus slot) when given, else private memory.
-
-        Parts read in place from a shared segment may hold bf16 for an f32 accumulator: they
-        are widened first, so the sum is the same f32 arithmetic as for a TCP upload (whose
-        bf16 payload was widened on receipt). A slot region viewed as bf16 (a narrowed round,
-        :meth:`_narrow_kinds`) receives each piece's f32 result rounded to bf16, the values a
-        TCP rank of bf16 wire receives."""
+        """acc[kind] = sum(parts) / divisor (:meth:`Folder.fold`), into ``into`` (a shared
+        consensus slot) when given, else private memory."""
         if not parts:
             return  # nothing received: the frame goes out elided with weight 0
         acc = into if into is not None else self._own.get(kind)
@@ -820,51 +793,7 @@ class ReduceServer:
                 model = self._models[kind]
             acc = self._own[kind] = Flat.allocate(model)
         self._acc[kind] = acc
-        for dtype, out in acc.flats.items():
-            srcs = [p.flats[dtype] for p in parts]
-            if out.dtype == dtype and all(s.dtype == dtype for s in srcs):
-                self._fold_chunk(out, srcs, divisor)  # no widening: whole-tensor passes
-                continue
-            n = out.numel()
-            for start in range(0, n, FOLD_CHUNK_ELEMENTS):
-                end = min(n, start + FOLD_CHUNK_ELEMENTS)
-                piece = [s[start:end] for s in srcs]
-                if out.dtype == dtype:
-                    self._fold_chunk(out[start:end], piece, divisor)
-                else:  # summed in the accumulation dtype, then rounded into the slot
-                    wide = self._scratch(("sum", dtype), end - start, dtype)
-                    self._fold_chunk(wide, piece, divisor)
-                    out[start:end].copy_(wide)
-
-    def _scratch(
-        self, key: tuple[str, torch.dtype], numel: int, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """A kept buffer of at least one fold piece (allocating one per round would cost more
-        than the piece's work)."""
-        buf = self._widen.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = self._widen[key] = torch.empty(max(numel, FOLD_CHUNK_ELEMENTS), dtype=dtype)
-        return buf[:numel]
-
-    def _fold_chunk(self, out: torch.Tensor, srcs: list[torch.Tensor], divisor: float) -> None:
-        """One cache-sized piece of a fold: every pass over it (the sum in rank order, a
-        widening, the division) runs while it is in cache, so memory is read once per source
-        and written once, not once per pass (the arithmetic is the unchunked fold's)."""
-        dtype = out.dtype
-        if len(srcs) == 1 or srcs[0].dtype != dtype or srcs[1].dtype != dtype:
-            out.copy_(srcs[0])
-            rest = srcs[1:]
-        else:
-            torch.add(srcs[0], srcs[1], out=out)
-            rest = srcs[2:]
-        for src in rest:
-            if src.dtype != dtype:  # widened into a kept buffer (add_ would allocate one)
-                part = self._scratch(("widen", dtype), out.numel(), dtype)
-                part.copy_(src)
-                src = part
-            out.add_(src)
-        if divisor != 1.0:
-            out.div_(divisor)
+        self._folder.fold(acc, parts, divisor)
 
     def _outgoing(
         self, kind: TensorKind, cycle: int, divisor: float, wire: tuple[WireDtype, ...]
