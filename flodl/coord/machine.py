@@ -200,8 +200,9 @@ class Coordinator:
         if event.kind not in self._accepts:  # accepts(self.phase, kind), without hashing it
             self._not_accepted(event, now, out)
             return out
-        if type(event) in _RANK_FRAME_HANDLERS:  # the hot path: a frame of a live rank
-            self._on_rank_frame(event, now, out)  # type: ignore[arg-type]
+        on = _RANK_FRAME_HANDLERS.get(type(event))
+        if on is not None:  # the hot path: a rank frame, found by its exact type
+            self._on_rank_frame(event, on, now, out)  # type: ignore[arg-type]
             return out
         match event:
             case Hello():
@@ -215,8 +216,11 @@ class Coordinator:
             case ReduceDone():
                 if self.averaging.on_reduce_done(event):
                     self._finalize_cycle(now, out)
-            case _:
-                self._on_rank_frame(event, now, out)
+            case _:  # (a subclass of a rank frame: its handler by isinstance, as a match did)
+                on = next(
+                    (h for t, h in _RANK_FRAME_HANDLERS.items() if isinstance(event, t)), None
+                )
+                self._on_rank_frame(event, on, now, out)
         return out
 
     def tick(self, now: float) -> list[Effect]:
@@ -611,13 +615,14 @@ class Coordinator:
     # Rank frames
     # =========================================================================================
 
-    def _on_rank_frame(self, frame: RankFrame, now: float, out: list[Effect]) -> None:
+    def _on_rank_frame(self, frame: RankFrame, on: Any, now: float, out: list[Effect]) -> None:
+        """A frame of a live rank refreshes its liveness, then goes to ``on`` (its handler in
+        :data:`_RANK_FRAME_HANDLERS`; None: nothing more)."""
         rank = frame.rank
         membership = self.membership
         if not membership.in_range(rank) or not membership.is_alive(rank):
             return  # late frames from a dead or finished rank change nothing
         membership.seen(rank, now)
-        on = _RANK_FRAME_HANDLERS.get(type(frame))
         if on is None:
             return
         try:
