@@ -27,7 +27,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the scripts' helpers, imported bare as the scripts do
 
-from _common import machine_info, run_in_group, uptime  # noqa: E402
+from _common import machine_info, run_in_group, section_head, uptime  # noqa: E402
 
 REPO = HERE.parent
 RESULTS = HERE / "results"
@@ -465,15 +465,8 @@ def print_summary(results: list[dict[str, Any]], total_s: float) -> None:
 
 def markdown(data: dict[str, Any]) -> str:
     """The docs/benchmarks.md section for a summary file (every figure from it)."""
-    m = data["machine"]
     lines = [
-        f"## All of it (`{data['command']}`)",
-        "",
-        (
-            f"Run {data['date']} (`date`), {data['total_s']:.0f} s in all. `uptime` before: "
-            f"`{data['uptime_before']}`; after: `{data['uptime_after']}`. Machine: "
-            f"{m.get('cpus', '?')} CPUs, Python {m.get('python', '?')}."
-        ),
+        *section_head("All of it", data, f"{data['total_s']:.0f} s in all"),
         "",
         (
             "Every script at the suite's small size (`python -m benchmarks --list` prints the "

@@ -34,7 +34,7 @@ from _common import (
     ensure_repo_on_path,
     machine_info,
     print_table,
-    run_line,
+    section_head,
     uptime,
     write_json,
 )
@@ -143,12 +143,7 @@ def markdown(data: dict[str, Any]) -> str:
     """The docs/benchmarks.md section for a result file (every figure from it)."""
     v = data["verdicts"]
     lines = [
-        f"## Coordinator cost per averaging cycle (`{data['command']}`)",
-        "",
-        (
-            f"{run_line(data)} Machine: {data['machine'].get('cpus', '?')} CPUs, Python "
-            f"{data['machine'].get('python', '?')}."
-        ),
+        *section_head("Coordinator cost per averaging cycle", data),
         "",
         (
             "The real pure coordinator driven by `flodl.sim` (cpu_cadence, equal speeds, anchor "
