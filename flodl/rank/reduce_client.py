@@ -69,6 +69,9 @@ CONNECT_RETRY_S = 0.5
 """Pause between connection attempts (the original's 60 attempts x 500 ms)."""
 HANDSHAKE_TIMEOUT_S = DATA_HANDSHAKE_TIMEOUT_S
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+DEVICE_STAGE_ELEMENTS = 1 << 22
+"""Elements per piece when a device tensor's scaled upload is narrowed: a 16 MiB f32 stage on
+the device, so a large model crosses to the host in a few hundred copies, not thousands."""
 
 
 class ReduceClient:
@@ -131,7 +134,7 @@ class ReduceClient:
         self._received: dict[TensorKind, list[torch.Tensor]] = {}
         self._tables: dict[TensorKind, int] = {}
         self._staging = torch.empty(0, dtype=torch.uint8)
-        self._stage = torch.empty(0)
+        self._stages: dict[torch.device, torch.Tensor] = {}  # per source device
         self.shared_memory = shared_memory
         self._lane: LocalLane | None = None
         self._lane_tried = False
@@ -427,31 +430,39 @@ class ReduceClient:
         return out
 
     def _fill(self, dst: torch.Tensor, src: torch.Tensor, weight: float) -> None:
-        """``dst = src * weight`` in ``dst``'s dtype: the one rule for both lanes, so a
-        shared-memory upload holds the values a TCP upload of the same wire carries."""
-        if src.device.type != "cpu":
+        """``dst = src * weight`` in ``dst``'s dtype, the product rounded once: the one rule for
+        both lanes and every device, so a shared-memory upload holds the values a TCP upload of
+        the same wire carries and a CUDA rank's upload those of a CPU rank."""
+        if weight == 1.0:
             dst.copy_(src)
-            if weight != 1.0:
-                dst.mul_(weight)
-        elif weight == 1.0:
+        elif dst.dtype == src.dtype and dst.device == src.device:
+            torch.mul(src, weight, out=dst)
+        elif dst.dtype == src.dtype:  # from a device: copied exactly, then scaled once
             dst.copy_(src)
+            dst.mul_(weight)
         else:
             self._scale_into(dst, src, weight)
 
     def _scale_into(self, dst: torch.Tensor, src: torch.Tensor, weight: float) -> None:
-        """``dst = src * weight``, rounded once into ``dst``'s dtype. Into bf16 from f32 the
-        product goes through a small f32 stage chunk by chunk: ``torch.mul(out=bf16)`` of an
-        f32 tensor is about 20 times slower than the two passes."""
-        if dst.dtype == src.dtype or not src.is_contiguous():
-            torch.mul(src, weight, out=dst)
-            return
+        """``dst = src * weight`` into a narrower ``dst``: the product is taken in ``src``'s
+        dtype on ``src``'s device, in a stage chunk by chunk, and rounded once as it is copied
+        into ``dst``. (A CUDA source copied to bf16 first and scaled there rounded twice;
+        ``torch.mul(out=bf16)`` of an f32 CPU tensor is about 20 times slower than the two
+        passes.)"""
+        if not src.is_contiguous():
+            if src.device == dst.device:
+                torch.mul(src, weight, out=dst)
+                return
+            src = src.contiguous()
         flat_src, flat_dst = src.view(-1), dst.view(-1)
         n = flat_src.numel()
-        stage = self._stage
-        if stage.dtype != src.dtype or stage.numel() < min(n, STAGE_ELEMENTS):
-            stage = self._stage = torch.empty(min(n, STAGE_ELEMENTS), dtype=src.dtype)
-        for start in range(0, n, STAGE_ELEMENTS):
-            end = min(n, start + STAGE_ELEMENTS)
+        piece = STAGE_ELEMENTS if src.device.type == "cpu" else DEVICE_STAGE_ELEMENTS
+        stage = self._stages.get(src.device)
+        if stage is None or stage.dtype != src.dtype or stage.numel() < min(n, piece):
+            stage = torch.empty(min(n, piece), dtype=src.dtype, device=src.device)
+            self._stages[src.device] = stage
+        for start in range(0, n, piece):
+            end = min(n, start + piece)
             part = stage[: end - start]
             torch.mul(flat_src[start:end], weight, out=part)
             flat_dst[start:end].copy_(part)

@@ -129,6 +129,19 @@ def test_bf16_wire_from_cuda_parameters(tmp_path: Path) -> None:
     assert got["losses"][-1] < 0.9 * got["losses"][0]
 
 
+def test_a_cuda_ranks_bf16_upload_is_rounded_once_as_a_cpu_ranks(tmp_path: Path) -> None:
+    """Rank processes with their model on CUDA and bf16 on the wire, on both lanes, end three
+    rounds with the exact consensus of the CPU rule (each upload scaled in f32, rounded to bf16
+    once): a CUDA upload copied to bf16 and scaled there rounds twice and differs."""
+    sys.path.insert(0, str(REPO / "tests" / "shell"))
+    from test_reduce_shm import expected_params, run_ranks
+
+    expected = expected_params(2, bf16=True)
+    for shm in (True, False):
+        for r in run_ranks(tmp_path, 2, shm=shm, bf16=True, device="cuda:0"):
+            assert all(torch.equal(x, y) for x, y in zip(r["params"], expected, strict=True))
+
+
 def test_a_bundle_saved_by_cuda_ranks_resumes_on_the_gpu_and_on_the_cpu(tmp_path: Path) -> None:
     stem = str(tmp_path / "ck")
     saved = run(tmp_path, "--devices", "cuda:0,cuda:0", "--epochs", "1", "--save", stem)

@@ -52,12 +52,13 @@ RANK_SCRIPT = textwrap.dedent(
     """
     import sys, torch
     from flodl.rank.reduce_client import ReduceClient
-    port, rank, world, shm, bf16, out = sys.argv[1:]
+    port, rank, world, shm, bf16, out, device = sys.argv[1:]
     rank, world = int(rank), int(world)
     gen = torch.Generator().manual_seed(1000 + rank)
     params = [torch.randn(64, 33, generator=gen), torch.randn(17, generator=gen),
               torch.randn(CHUNK + 3, generator=gen)]  # a fold and a rounding in pieces
     buffers = [torch.randn(5, generator=gen)]
+    params, buffers = [p.to(device) for p in params], [b.to(device) for b in buffers]
     client = ReduceClient("127.0.0.1", int(port), SECRET, rank, world, run_id=RUN,
                           bf16_wire=bf16 == "1", shared_memory=shm == "1", timeout_s=60)
     client.connect(30.0)
@@ -72,8 +73,11 @@ RANK_SCRIPT = textwrap.dedent(
 )
 
 
-def run_ranks(tmp: Path, world: int, *, shm: bool, bf16: bool = False) -> list[dict[str, Any]]:
-    """``world`` rank processes through a server of this process, three rounds."""
+def run_ranks(
+    tmp: Path, world: int, *, shm: bool, bf16: bool = False, device: str = "cpu"
+) -> list[dict[str, Any]]:
+    """``world`` rank processes through a server of this process, three rounds, their model on
+    ``device`` (``tests/gpu`` runs them on CUDA)."""
     script = f"SECRET = {SECRET!r}\nRUN = {RUN!r}\nCHUNK = {FOLD_CHUNK_ELEMENTS}\n" + RANK_SCRIPT
     outs = [tmp / f"rank{r}-{shm}-{bf16}.pt" for r in range(world)]
     with serving(world) as (server, done):
@@ -83,7 +87,7 @@ def run_ranks(tmp: Path, world: int, *, shm: bool, bf16: bool = False) -> list[d
             subprocess.Popen(
                 [
                     *(sys.executable, "-c", script, str(server.port), str(r), str(world)),
-                    *("1" if shm else "0", "1" if bf16 else "0", str(outs[r])),
+                    *("1" if shm else "0", "1" if bf16 else "0", str(outs[r]), device),
                 ],
                 env={**os.environ, "PYTHONWARNINGS": "ignore"},
             )
@@ -97,7 +101,7 @@ def run_ranks(tmp: Path, world: int, *, shm: bool, bf16: bool = False) -> list[d
                     p.kill()
                     p.wait()
         assert [c[0] for c in done.wait(3)] == [1, 2, 3]
-    return [torch.load(o) for o in outs]
+    return [torch.load(o, map_location="cpu") for o in outs]
 
 
 def expected_params(world: int, *, bf16: bool = False) -> list[torch.Tensor]:
