@@ -33,7 +33,7 @@ from typing import Self
 import torch
 
 from flodl.errors import CoordinatorLost, FrameError, LocalProtocolError
-from flodl.rank.reduce_shm import STAGE_ELEMENTS, LocalLane, lane_problem
+from flodl.rank.reduce_shm import STAGE_ELEMENTS, LocalLane, lane_problem, through_stage
 from flodl.wire.data_hello import (
     DATA_HANDSHAKE_TIMEOUT_S,
     HELLO_BYTES,
@@ -454,18 +454,15 @@ class ReduceClient:
                 torch.mul(src, weight, out=dst)
                 return
             src = src.contiguous()
-        flat_src, flat_dst = src.view(-1), dst.view(-1)
-        n = flat_src.numel()
+        n = src.numel()
         piece = STAGE_ELEMENTS if src.device.type == "cpu" else DEVICE_STAGE_ELEMENTS
         stage = self._stages.get(src.device)
         if stage is None or stage.dtype != src.dtype or stage.numel() < min(n, piece):
             stage = torch.empty(min(n, piece), dtype=src.dtype, device=src.device)
             self._stages[src.device] = stage
-        for start in range(0, n, piece):
-            end = min(n, start + piece)
-            part = stage[: end - start]
-            torch.mul(flat_src[start:end], weight, out=part)
-            flat_dst[start:end].copy_(part)
+        through_stage(
+            dst.view(-1), src.view(-1), stage, lambda p, out: torch.mul(p, weight, out=out)
+        )
 
     def _upload(
         self,

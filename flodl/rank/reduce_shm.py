@@ -6,7 +6,7 @@ the answer and the frames.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -24,12 +24,29 @@ from flodl.wire.shm_segment import Segment, available
 from flodl.wire.tensor_read import FramePrefix
 from flodl.wire.tensors import TensorKind
 
-__all__ = ["LocalLane", "lane_problem"]
+__all__ = ["LocalLane", "STAGE_ELEMENTS", "lane_problem", "through_stage"]
 
 _KINDS = (TensorKind.MODEL_PARAMS, TensorKind.MODEL_BUFFERS)
 STAGE_ELEMENTS = 1 << 18
 """Elements per piece of a rank's conversion through a small stage (a scaled upload, a
 consensus rounded through bf16): 1 MiB of f32, which stays in a core's cache."""
+
+
+def through_stage(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    stage: torch.Tensor,
+    op: Callable[[torch.Tensor, torch.Tensor], object],
+) -> None:
+    """``dst = op(src)`` for flat tensors, piece by piece through ``stage``: ``op(piece, out)``
+    writes a piece of ``src`` into ``out`` (a prefix of ``stage``, on ``src``'s device and in
+    its working dtype), which is then copied, and converted once, into ``dst``."""
+    n, piece = src.numel(), stage.numel()
+    for start in range(0, n, piece):
+        end = min(n, start + piece)
+        part = stage[: end - start]
+        op(src[start:end], part)
+        dst[start:end].copy_(part)
 
 
 def lane_problem(params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> str | None:
@@ -184,12 +201,11 @@ class LocalLane:
             elif not d.is_contiguous():
                 d.copy_(s.to(torch.bfloat16))
             else:
-                flat_d, flat_s = d.view(-1), s.reshape(-1)
-                n = flat_s.numel()
-                if self._round_stage.numel() < min(n, STAGE_ELEMENTS):
+                flat_s = s.reshape(-1)
+                if self._round_stage.numel() < min(flat_s.numel(), STAGE_ELEMENTS):
                     self._round_stage = torch.empty(STAGE_ELEMENTS, dtype=torch.bfloat16)
-                for start in range(0, n, STAGE_ELEMENTS):
-                    end = min(n, start + STAGE_ELEMENTS)
-                    part = self._round_stage[: end - start]
-                    part.copy_(flat_s[start:end])
-                    flat_d[start:end].copy_(part)
+                through_stage(d.view(-1), flat_s, self._round_stage, _round)
+
+
+def _round(piece: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(piece)  # into the bf16 stage: the rounding
