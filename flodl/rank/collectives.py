@@ -373,9 +373,7 @@ class Collective:
             total = float(flat[-1].item())
             if total <= 0.0:
                 return 0.0
-            body = flat[:-1]
-            body.div_(total)
-            _unpack(body, params)
+            _unpack(flat[:-1], params, total)
         return total
 
     def average_buffers(self, buffers: Sequence[Tensor], mover: bool) -> int:
@@ -403,9 +401,7 @@ class Collective:
             movers = round(float(flat[-1].item()))
             if movers <= 0:
                 return 0
-            body = flat[:-1]
-            body.div_(movers)
-            _unpack(body, floats)
+            _unpack(flat[:-1], floats, movers)
         return movers
 
     def share_from_lowest(self, tensors: Sequence[Tensor], holder: bool) -> bool:
@@ -538,10 +534,14 @@ class Collective:
         offset = 0
         for t in tensors:
             n = t.numel()
-            flat[offset : offset + n].view(t.shape).copy_(t)
+            view = flat[offset : offset + n].view(t.shape)
+            if last == 1.0:
+                view.copy_(t)
+            elif _fusable(t, flat):
+                torch.mul(t, last, out=view)  # the scaled copy in one pass over the data
+            else:
+                view.copy_(t).mul_(last)  # widened (or moved) first, scaled in ``flat``'s dtype
             offset += n
-        if last != 1.0:
-            flat[:-1].mul_(last)
         flat[-1] = last
         return flat
 
@@ -589,22 +589,42 @@ def _reset_group_counter() -> None:
         world.group_count = 0
 
 
-def _unpack(flat: Tensor, tensors: Sequence[Tensor]) -> None:
-    """Copy consecutive slices of ``flat`` back into ``tensors`` (casting to their dtype)."""
+def _fusable(t: Tensor, flat: Tensor) -> bool:
+    """Whether ``t`` and ``flat`` share dtype and device, so that one elementwise op can read
+    one and write the other: the same bits as a copy followed by the op on ``flat``, one pass
+    over the data instead of two (on the rank's training thread, every round)."""
+    return t.dtype == flat.dtype and t.device == flat.device
+
+
+def _unpack(flat: Tensor, tensors: Sequence[Tensor], divisor: float = 1.0) -> None:
+    """Write consecutive slices of ``flat``, divided by ``divisor`` in ``flat``'s dtype, back
+    into ``tensors`` (cast to their dtype). ``flat`` itself is left divided only where a
+    tensor's dtype or device differs from it."""
     offset = 0
     for t in tensors:
         n = t.numel()
-        t.copy_(flat[offset : offset + n].view(t.shape))
+        src = flat[offset : offset + n].view(t.shape)
+        if divisor == 1.0:
+            t.copy_(src)
+        elif _fusable(t, flat):
+            torch.div(src, divisor, out=t)
+        else:
+            t.copy_(src.div_(divisor))
         offset += n
 
 
-def divergence(pre: Sequence[Tensor], post: Sequence[Tensor]) -> tuple[float, float, float]:
+def divergence(
+    pre: Sequence[Tensor], post: Sequence[Tensor], *, consume_pre: bool = False
+) -> tuple[float, float, float]:
     """``(‖pre − post‖ / ‖post‖, ‖pre‖, ‖post‖)``: L2 over all tensors concatenated
     (docs/design.md §2b).
 
     ``pre`` is a rank's parameters before the reduce, ``post`` the consensus after it. The ratio
     is ``0.0`` when ``‖post‖`` is 0 or the ratio is not finite (a frame cannot carry NaN).
     Sums of squares in float64 (see :func:`_square_sum`) with one host synchronisation.
+    ``consume_pre``: ``pre`` is scratch the caller no longer needs, so the difference is taken
+    in place (after ``‖pre‖``) where a pair shares dtype and device and is not a half type,
+    instead of in a new tensor per pair; the figures are the same bits either way.
 
     Raises:
         ValueError: the sequences differ in length or a pair differs in shape.
@@ -622,6 +642,10 @@ def divergence(pre: Sequence[Tensor], post: Sequence[Tensor]) -> tuple[float, fl
             b = b.detach().to(device=a.device)
             if a.dtype in _HALF or b.dtype in _HALF or a.dtype != b.dtype:
                 a, b = a.float(), b.float()  # the difference of two rounded values, unrounded
+            elif consume_pre:
+                of_pre = _square_sum(a)  # before the difference overwrites it
+                squares += (_square_sum(a.sub_(b)), of_pre, _square_sum(b))
+                continue
             squares += (_square_sum(a - b), _square_sum(a), _square_sum(b))
         per = torch.stack(squares).view(-1, 3).sum(dim=0).sqrt()
         diff2, pre2, post2 = (float(x) for x in per.tolist())

@@ -140,6 +140,8 @@ class RankLoop:
         self.client: Any = None
         self.collective: Any = None
         self.consensus: list[torch.Tensor] | None = None
+        self._pre: list[torch.Tensor] | None = None
+        """The pre-reduce copy of the parameters (:meth:`_pre_sync_copy`)."""
         self.outer: OuterStep | None = None
         self._timing = (0.0, 0.0)
         self.chaos: RankChaos | None = None
@@ -621,7 +623,7 @@ class RankLoop:
         weight = float(n) ** self.el.gamma if n > 0 else 0.0
         adopt = self.protocol.needs_consensus  # a rejoined rank takes the round as is
         with torch.no_grad():
-            pre = [p.detach().clone() for p in self.params]
+            pre = self._pre_sync_copy()
             if self.client is not None:
                 total, _ = self.client.reduce(cycle, self.params, weight, self.fbuffers, n > 0)
                 if total > 0:
@@ -640,12 +642,24 @@ class RankLoop:
                     self._keep_consensus()
             if self.job.outer.resets_inner:
                 self.optim.state = defaultdict(dict)  # DiLoCo: a fresh inner optimizer
-            d, pre_norm, post_norm = divergence(pre, self.params)
+            d, pre_norm, post_norm = divergence(pre, self.params, consume_pre=True)
         self._send(
             self.protocol.end_reduce(
                 cycle, divergence=d, pre_norm=pre_norm, post_norm=post_norm, consensus=total > 0
             )
         )
+
+    def _pre_sync_copy(self) -> list[torch.Tensor]:
+        """The parameters as they are before this rank's reduce, in buffers kept from round to
+        round (a fresh copy each round cost a page fault per 4 KiB on the training thread). A
+        round uses them to redo a failed collective, to blend (EASGD) and, last, as scratch for
+        the divergence; nothing keeps them past the round."""
+        if self._pre is None:
+            self._pre = [p.detach().clone() for p in self.params]
+        else:
+            for b, p in zip(self._pre, self.params, strict=True):
+                b.copy_(p.detach())
+        return self._pre
 
     def _collective_reduce(
         self,

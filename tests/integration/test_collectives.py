@@ -23,7 +23,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from worker_pipes import close_workers
 
 from flodl.errors import CollectiveFailed, LocalProtocolError
-from flodl.rank.collectives import Collective, divergence
+from flodl.rank.collectives import Collective, _unpack, divergence
 from flodl.service.store import StoreHost
 
 pytestmark = pytest.mark.integration
@@ -535,3 +535,54 @@ def test_divergence_is_accurate_on_long_tensors() -> None:
     assert math.isclose(pre_norm, ref[1], rel_tol=1e-6)
     assert math.isclose(post_norm, ref[2], rel_tol=1e-6)
     assert math.isclose(d, ref[0] / ref[2], rel_tol=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_divergence_consuming_pre_gives_the_same_bits() -> None:
+    # the reduce passes its pre-sync copy as scratch: the difference is taken in place, and
+    # the figures must be exactly those of the allocating path, for every dtype mix
+    gen = torch.Generator().manual_seed(11)
+    pre = [
+        torch.randn(1 << 16, generator=gen),
+        torch.randn(7, 300, generator=gen).double(),
+        torch.randn(33, generator=gen).to(torch.bfloat16),  # a half pair: never in place
+        torch.randn(5, generator=gen),
+    ]
+    post = [p.float() + 1e-2 * torch.randn(p.shape, generator=gen) for p in pre]
+    post[1] = post[1].double()
+    post[3] = post[3].double()  # dtypes differ: not in place either
+    expected = divergence(pre, post)
+    scratch = [p.clone() for p in pre]
+    kept = [q.clone() for q in post]
+    assert divergence(scratch, post, consume_pre=True) == expected
+    assert all(torch.equal(q, k) for q, k in zip(post, kept, strict=True))  # post untouched
+    assert torch.equal(scratch[0], pre[0] - post[0])  # the same-dtype pairs were scratch
+    assert torch.equal(scratch[2], pre[2]) and torch.equal(scratch[3], pre[3])
+
+
+@pytest.mark.timeout(120)
+def test_scaled_pack_and_divided_unpack_are_the_two_pass_bits() -> None:
+    # the flat buffer is filled with one scaled copy per tensor (and emptied with one divided
+    # copy) where dtypes agree; the bits must be those of copy-then-scale / divide-then-copy
+    gen = torch.Generator().manual_seed(5)
+    cases = {
+        "f32": [torch.randn(1000, generator=gen), torch.randn(3, 17, generator=gen)],
+        "f64 flat": [torch.randn(64, generator=gen), torch.randn(9, generator=gen).double()],
+        "bf16 in f32": [torch.randn(40, generator=gen).bfloat16(), torch.randn(8, generator=gen)],
+    }
+    coll = Collective("127.0.0.1", 1, device=torch.device("cpu"), timeout_s=1.0)
+    for name, tensors in cases.items():
+        for weight, divisor in ((0.37, 2.9), (1.0, 1.0), (3.0, 7.0)):
+            flat = coll._pack(name, tensors, weight).clone()
+            ref = torch.cat([t.to(flat.dtype).reshape(-1) for t in tensors])
+            last = torch.tensor([weight], dtype=flat.dtype)
+            ref = torch.cat([ref * weight if weight != 1.0 else ref, last])
+            assert torch.equal(flat, ref), (name, weight)
+            outs = [torch.empty_like(t) for t in tensors]
+            _unpack(flat[:-1], outs, divisor)
+            body = ref[:-1] / divisor if divisor != 1.0 else ref[:-1]
+            offset = 0
+            for t, out in zip(tensors, outs, strict=True):
+                piece = body[offset : offset + t.numel()].view(t.shape).to(t.dtype)
+                assert torch.equal(out, piece), (name, weight, divisor)
+                offset += t.numel()
