@@ -640,13 +640,13 @@ def divergence(
                 raise ValueError(f"shape mismatch: {tuple(a.shape)} vs {tuple(b.shape)}")
             a = a.detach()
             b = b.detach().to(device=a.device)
+            in_place = consume_pre
             if a.dtype in _HALF or b.dtype in _HALF or a.dtype != b.dtype:
                 a, b = a.float(), b.float()  # the difference of two rounded values, unrounded
-            elif consume_pre:
-                of_pre = _square_sum(a)  # before the difference overwrites it
-                squares += (_square_sum(a.sub_(b)), of_pre, _square_sum(b))
-                continue
-            squares += (_square_sum(a - b), _square_sum(a), _square_sum(b))
+                in_place = False  # as documented: only a pair that shares its dtype is scratch
+            of_pre = _square_sum(a)  # before an in-place difference overwrites ``a``
+            diff = a.sub_(b) if in_place else a - b
+            squares += (_square_sum(diff), of_pre, _square_sum(b))
         per = torch.stack(squares).view(-1, 3).sum(dim=0).sqrt()
         diff2, pre2, post2 = (float(x) for x in per.tolist())
     ratio = diff2 / post2 if post2 > 0.0 else 0.0
