@@ -23,6 +23,7 @@ import json
 import math
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -240,6 +241,15 @@ def _worker(rank: int, cfg: dict[str, Any], port: int, out_dir: str) -> None:
         tmp.replace(Path(out_dir) / f"rank{rank}.json")
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's finalization. A Gloo worker thread of torch's process
+    # group can still release a tensor while the interpreter exits; taking the GIL then ends
+    # that thread with pthread_exit inside C++ code, which aborts the process (SIGABRT,
+    # "terminate called without an active exception") after its result was written, and the
+    # spawner then kills the ranks still evaluating: a lost round, about one in ten local-SGD
+    # runs here. The result is on disk; there is nothing left to finalize.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_and_join(
