@@ -42,20 +42,30 @@ def _worker(rank: int, cfg: dict[str, Any], barrier: Any, out_dir: str) -> None:
     lo, hi = t0 + float(cfg["warmup_s"]), t0 + float(cfg["warmup_s"]) + float(cfg["measure_s"])
     stop = hi + float(cfg["warmup_s"])
     counted = 0
+    counted_steps = 0
+    counted_cpu = 0.0
     step = 0
     while True:
         start = (step * batch_size + rank * 7919) % max(1, n - batch_size)
         batch = task.train.get_batch(list(range(start, start + batch_size)))
         optim.zero_grad(set_to_none=True)
+        cpu0 = timed.cpu_s
         timed(model, batch).backward()  # type: ignore[no-untyped-call]
         optim.step()
         step += 1
         now = time.perf_counter()
         if lo <= now <= hi:
             counted += batch_size
+            counted_steps += 1
+            counted_cpu += timed.cpu_s - cpu0
         if now >= stop:
             break
-    result = {"rank": rank, "samples_per_s": counted / float(cfg["measure_s"]), "steps": step}
+    result = {
+        "rank": rank,
+        "samples_per_s": counted / float(cfg["measure_s"]),
+        "steps": step,
+        "cpu_ms_per_step": 1000.0 * counted_cpu / counted_steps if counted_steps else None,
+    }
     tmp = Path(out_dir) / f"bound{rank}.json.tmp"
     tmp.write_text(json.dumps(result))
     tmp.replace(Path(out_dir) / f"bound{rank}.json")
@@ -65,7 +75,9 @@ def run_bound(cfg: dict[str, Any], out_dir: Path, timeout_s: float = 300.0) -> d
     """Measure the rig's balance bound. ``cfg``: world, samples (of one epoch), seed,
     batch_size, slow (rank → factor), step_per_forward, task (``demo_task`` sizes), measure
     (:class:`TimedStep`'s), threads, warmup_s, measure_s. Returns ``throughput`` (samples/s per
-    rank), ``span_s`` (``samples / Σ throughput``: the bound) and ``total_s``."""
+    rank), ``span_s`` (``samples / Σ throughput``: the bound), ``cpu_ms_per_step`` (per rank, in
+    the measuring window: the step's compute without the slowdown's sleep, as
+    :class:`TimedStep` counts it) and ``total_s``."""
     import torch.multiprocessing as mp
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -79,4 +91,9 @@ def run_bound(cfg: dict[str, Any], out_dir: Path, timeout_s: float = 300.0) -> d
     throughput = [float(r["samples_per_s"]) for r in ranks]
     total = sum(throughput)
     span = float(cfg["samples"]) / total if total > 0 else float("inf")
-    return {"throughput": throughput, "span_s": span, "total_s": total_s}
+    return {
+        "throughput": throughput,
+        "span_s": span,
+        "cpu_ms_per_step": [r["cpu_ms_per_step"] for r in ranks],
+        "total_s": total_s,
+    }

@@ -49,6 +49,7 @@ __all__ = [
     "stats_cell",
     "repeat_trials",
     "run_in_group",
+    "CpuMeter",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -189,6 +190,59 @@ def uptime() -> str:
         ).stdout.strip()
     except OSError:
         return "n/a"
+
+
+class CpuMeter:
+    """The machine's cores busy over a stretch, split into this process tree's and everyone
+    else's: started at construction, read by :meth:`stop`.
+
+    The machine's figure is ``/proc/stat`` (user, nice, system, irq, softirq and steal time of
+    every CPU); this tree's is ``getrusage`` of this process and of its children that were waited
+    for (a child still running when :meth:`stop` is called counts as someone else's). ``other``
+    is the load that competed with the run from outside it.
+    """
+
+    def __init__(self) -> None:
+        self._start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float | None, float, float]:
+        """(monotonic, machine busy CPU-seconds or None, own CPU-seconds, steal CPU-seconds)."""
+        import resource
+
+        machine: float | None = None
+        steal = 0.0
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+            tick = float(os.sysconf("SC_CLK_TCK"))
+            user, nice, system, _idle, _iowait, irq, softirq, st = fields[:8]
+            machine = (user + nice + system + irq + softirq + st) / tick
+            steal = st / tick
+        except (OSError, ValueError):
+            pass
+        me = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        own = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+        return time.monotonic(), machine, own, steal
+
+    def stop(self) -> dict[str, float | None]:
+        """Mean cores over the stretch: ``machine``, ``own``, ``other`` (machine − own, ≥ 0)
+        and ``steal`` (CPU time the hypervisor gave to other guests); None where
+        ``/proc/stat`` is unreadable."""
+        t1, m1, o1, s1 = self._read()
+        t0, m0, o0, s0 = self._start
+        wall = max(1e-9, t1 - t0)
+        own = (o1 - o0) / wall
+        if m0 is None or m1 is None:
+            return {"machine": None, "own": own, "other": None, "steal": None}
+        machine = (m1 - m0) / wall
+        return {
+            "machine": machine,
+            "own": own,
+            "other": max(0.0, machine - own),
+            "steal": (s1 - s0) / wall,
+        }
 
 
 def add_markdown_option(parser: Any, default_json: str | os.PathLike[str]) -> None:

@@ -38,7 +38,11 @@ final model, syncs, steps and idle ``1 − busy / span`` per rank (busy = CPU ti
 sleep). Rounds run the systems in alternating order (forward, then reversed); the summary is the
 median over rounds of each figure and of each per-round ratio (DDP's span / this span; bound span
 / this span = fraction of the bound). For flodl ``cpu_cadence`` at ``x3`` the record log's window
-records give where the time went (the breakdown table).
+records give where the time went (the breakdown table). How fast the machine ran each run is
+shown per round: the ranks' mean compute per step (``TimedStep``'s CPU time, sleeps left out)
+against the same round's bound, and the cores other processes used during the run
+(``_common.CpuMeter``); a round whose steps cost more ran on a slower machine, which explains
+its span whatever the system's schedule.
 
 Targets (issue 16; benchmark, never a test): at ``x3`` and ``mixed4`` the cadence modes reach ≥ 0.9
 of the bound in the median (≥ 0.85 in every round), ≥ 2.5× DDP's span, ≥ 2.4× torchft
@@ -66,6 +70,7 @@ from typing import Any
 from _common import (
     REPO_ROOT,
     RESULTS_DIR,
+    CpuMeter,
     add_markdown_option,
     ensure_repo_on_path,
     machine_info,
@@ -290,6 +295,10 @@ def summarize(system: str, rig: Rig, raw: dict[str, Any]) -> dict[str, Any]:
         "syncs": raw.get("syncs"),
         "steps": [r["steps"] for r in ranks],
         "idle": [max(0.0, 1.0 - r["busy_s"] / span) if span > 0 else None for r in ranks],
+        "cpu_ms_per_step": [
+            1000.0 * r["cpu_s"] / r["steps"] if r.get("cpu_s") is not None and r["steps"] else None
+            for r in ranks
+        ],
         "sync_every": raw.get("sync_every"),
         "breakdown": raw.get("breakdown"),
     }
@@ -341,6 +350,7 @@ def run_one(
                 "span_s": bound["span_s"],
                 "total_s": bound["total_s"],
                 "throughput": bound["throughput"],
+                "cpu_ms_per_step": bound["cpu_ms_per_step"],
             }
         if system in FLODL_MODES:
             raw = run_flodl({**cfg, "mode": system}, out, args.timeout)
@@ -621,6 +631,60 @@ def breakdown_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
     return table
 
 
+def _mean_step_ms(run: dict[str, Any]) -> float | None:
+    vals = [v for v in run.get("cpu_ms_per_step") or [] if v is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+def step_cost_headers(runs: list[dict[str, Any]]) -> list[str]:
+    rounds = sorted({r.get("round", 0) for r in runs})
+    return ["rig", "system", *(f"round {n}" for n in rounds), "other load, cores"]
+
+
+def step_cost_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
+    """Per target rig and system, per round: the ranks' mean compute per step (CPU ms, the
+    slowdown's sleep left out) and, in brackets, that over the same round's bound; then the
+    cores other processes kept busy during each round's run. Where a system's steps cost more
+    than the bound's in its round, the machine ran them slower: its span and its fraction of
+    the bound move with that, not with the system's schedule."""
+    rounds = sorted({r.get("round", 0) for r in runs})
+    bound = {
+        (r["rig"], r.get("round", 0)): _mean_step_ms(r)
+        for r in runs
+        if r["system"] == "bound" and r.get("ok")
+    }
+    order: list[tuple[str, str]] = []
+    for r in runs:
+        key = (r["rig"], r["system"])
+        if r["rig"] in TARGET_RIGS and key not in order:
+            order.append(key)
+    table = []
+    for rig, system in order:
+        cells, other = [], []
+        for n in rounds:
+            run = next(
+                (
+                    r
+                    for r in runs
+                    if r["rig"] == rig and r["system"] == system and r.get("round", 0) == n
+                ),
+                None,
+            )
+            ms = _mean_step_ms(run) if run is not None and run.get("ok") else None
+            base = bound.get((rig, n))
+            if ms is None:
+                cells.append("-")
+            elif base:
+                cells.append(f"{ms:.1f} ({ms / base:.2f})")
+            else:
+                cells.append(f"{ms:.1f}")
+            load = (run or {}).get("load") or {}
+            other.append("-" if load.get("other") is None else f"{load['other']:.2f}")
+        if any(c != "-" for c in cells):
+            table.append([rig, system, *cells, "/".join(other)])
+    return table
+
+
 BREAKDOWN_HEADERS = [
     "rig",
     "system",
@@ -705,6 +769,21 @@ def markdown(data: dict[str, Any]) -> str:
             ),
             "",
             *markdown_table(BREAKDOWN_HEADERS, rows),
+        ]
+    rows = step_cost_rows(data["runs"])
+    if rows:
+        lines += [
+            "",
+            (
+                "How fast the machine ran each run's steps: the ranks' mean compute per step "
+                "(CPU ms, the slowdown's sleep left out; in brackets, over the same round's "
+                "bound), and the cores other processes kept busy during the run, per round "
+                "(`/proc/stat` less the run's own processes). A run whose steps cost more than "
+                "its round's bound ran on a slower machine: its span and fraction of the bound "
+                "carry that, whatever its schedule."
+            ),
+            "",
+            *markdown_table(step_cost_headers(data["runs"]), rows),
         ]
     return "\n".join(lines)
 
@@ -808,7 +887,9 @@ def main(argv: list[str] | None = None) -> int:
             sync_every = DEFAULT_SYNC_EVERY
             for rnd in range(args.rounds):
                 for system in round_order(args.system_list, rnd):
+                    meter = CpuMeter()
                     row = run_one(system, rig, args, work, sync_every)
+                    row["load"] = meter.stop()
                     row["round"] = rnd
                     if system in CADENCE_MODES and row.get("ok"):
                         row["mean_window"] = mean_window(row)
@@ -837,6 +918,13 @@ def main(argv: list[str] | None = None) -> int:
     table = breakdown_rows(runs)
     if table:
         print_table("where flodl's time went (window records)", BREAKDOWN_HEADERS, table)
+    table = step_cost_rows(runs)
+    if table:
+        print_table(
+            "compute per step, CPU ms (÷ the round's bound), and other processes' load",
+            step_cost_headers(runs),
+            table,
+        )
     goals = targets(rows)
     for t in goals:
         state = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")

@@ -227,6 +227,7 @@ def test_timed_step_thread_cpu_slows_the_step_cpu_never_a_blocked_wait(tmp_path:
     rec = read_step_record(tmp_path / "r.steps")
     assert rec is not None and rec["steps"] == 5
     assert rec["busy_s"] == pytest.approx(slow.compute_s + slow.slept_s, rel=1e-6)
+    assert rec["cpu_s"] == pytest.approx(slow.compute_s, rel=1e-6)  # the sleeps left out
     with pytest.raises(FlodlError, match="measure"):
         TimedStep(forward, slow, 3.8, measure="wall")
 

@@ -47,20 +47,27 @@ def test_hetero_arguments_and_defaults(bench: Any) -> None:
 def test_hetero_medians_ratios_and_targets(bench: Any) -> None:
     h = bench("bench_hetero")
 
-    def run(system: str, rnd: int, span: float, loss: float = 2.0) -> dict[str, Any]:
+    def run(
+        system: str, rnd: int, span: float, loss: float = 2.0, step_ms: float = 20.0
+    ) -> dict[str, Any]:
         row = {"system": system, "rig": "x3", "round": rnd, "ok": True, "span_s": span}
         row |= {"total_s": span + 5, "loss": loss, "metric": 0.4, "syncs": 10}
+        row |= {"cpu_ms_per_step": [step_ms, step_ms + 2.0], "load": {"other": 0.25 * rnd}}
         return row | {"steps": [30, 10], "idle": [0.1, 0.0]}
 
+    def bound(rnd: int, span: float) -> dict[str, Any]:
+        row = {"system": "bound", "rig": "x3", "round": rnd, "ok": True, "span_s": span}
+        return row | {"total_s": 9, "cpu_ms_per_step": [20.0, None]}
+
     runs = [
-        run("cpu_cadence", 0, 10.0, 2.01),
+        run("cpu_cadence", 0, 10.0, 2.01, step_ms=25.0),
         run("ddp", 0, 25.0, 2.0),
         run("torchft", 0, 20.0),
-        {"system": "bound", "rig": "x3", "round": 0, "ok": True, "span_s": 9.0, "total_s": 9},
+        bound(0, 9.0),
         run("cpu_cadence", 1, 12.0, 2.03),
         run("ddp", 1, 24.0, 2.0),
         run("torchft", 1, 22.0),
-        {"system": "bound", "rig": "x3", "round": 1, "ok": True, "span_s": 9.6, "total_s": 9},
+        bound(1, 9.6),
         {"system": "diloco", "rig": "x3", "round": 0, "ok": False, "error": "boom"},
     ]
     rows = {r["system"]: r for r in h.aggregate(runs)}
@@ -97,6 +104,12 @@ def test_hetero_medians_ratios_and_targets(bench: Any) -> None:
         }
     )
     assert "| x3 | cpu_cadence | 11.0 (10.0–12.0) |" in text
+    # the machine's speed per round: steps of 26 ms mean against the bound's 20 (a slow round)
+    costs = {row[1]: row for row in h.step_cost_rows(runs)}
+    assert costs["cpu_cadence"] == ["x3", "cpu_cadence", "26.0 (1.30)", "21.0 (1.05)", "0.00/0.25"]
+    assert costs["bound"][2:4] == ["20.0 (1.00)", "20.0 (1.00)"]
+    assert "diloco" not in costs  # it failed in every round: nothing measured, no row
+    assert "| x3 | cpu_cadence | 26.0 (1.30) | 21.0 (1.05) | 0.00/0.25 |" in text
     assert "speed vs DDP 2.25× (target ≥ 2.5×): **not met**" in text
 
 
@@ -108,11 +121,27 @@ def test_step_record_round_trip_and_equal_split(bench: Any, tmp_path: Path) -> N
     rec = d.read_step_record(tmp_path / "r.steps")
     assert rec is not None and rec["steps"] == 2
     assert rec["busy_s"] >= 2 * 0.002  # the sleeps count as busy; waits never do
+    assert 0.0 <= rec["cpu_s"] <= rec["busy_s"] - 2 * 0.002  # the compute alone, sleeps out
     assert rec["t0"] <= rec["t1"]
     assert d.read_step_record(tmp_path / "absent") is None
     parts = [d.equal_split(10, 3, r, epoch=0, seed=0) for r in range(3)]
     assert [len(p) for p in parts] == [4, 4, 4]  # padded like DistributedSampler
     assert set().union(*parts) == set(range(10))
+
+
+def test_cpu_meter_counts_this_process_as_its_own_load(bench: Any) -> None:
+    import time
+
+    c = bench("_common")
+    meter = c.CpuMeter()
+    end = time.process_time() + 0.3
+    while time.process_time() < end:  # one core busy, in this process
+        pass
+    load = meter.stop()
+    assert load["own"] > 0.5
+    if load["machine"] is not None:  # /proc/stat: Linux
+        assert load["other"] is not None and load["other"] >= 0.0
+        assert load["machine"] >= load["other"]
 
 
 def test_recovery_arguments_and_stats(bench: Any) -> None:
