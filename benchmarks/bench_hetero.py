@@ -643,15 +643,14 @@ def step_cost_headers(runs: list[dict[str, Any]]) -> list[str]:
 
 def step_cost_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
     """Per target rig and system, per round: the ranks' mean compute per step (CPU ms, the
-    slowdown's sleep left out) and, in brackets, that over the same round's bound; then the
-    cores other processes kept busy during each round's run. Where a system's steps cost more
-    than the bound's in its round, the machine ran them slower: its span and its fraction of
-    the bound move with that, not with the system's schedule."""
+    slowdown's sleep left out), ``×`` that over the same round's bound, and ``→`` the run's
+    fraction of the bound at the bound's step cost (fraction × that ratio); then the cores
+    other processes kept busy during each round's run. Where a system's steps cost more than
+    the bound's in its round, the machine ran them slower: its span and its fraction of the
+    bound move with that, not with the system's schedule."""
     rounds = sorted({r.get("round", 0) for r in runs})
     bound = {
-        (r["rig"], r.get("round", 0)): _mean_step_ms(r)
-        for r in runs
-        if r["system"] == "bound" and r.get("ok")
+        (r["rig"], r.get("round", 0)): r for r in runs if r["system"] == "bound" and r.get("ok")
     }
     order: list[tuple[str, str]] = []
     for r in runs:
@@ -671,18 +670,35 @@ def step_cost_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
                 None,
             )
             ms = _mean_step_ms(run) if run is not None and run.get("ok") else None
-            base = bound.get((rig, n))
-            if ms is None:
+            b = bound.get((rig, n))
+            base = _mean_step_ms(b) if b is not None else None
+            if run is None or ms is None:
                 cells.append("-")
-            elif base:
-                cells.append(f"{ms:.1f} ({ms / base:.2f})")
+            elif system == "bound" or not base or b is None:
+                cells.append(f"{ms:.1f} ms")
             else:
-                cells.append(f"{ms:.1f}")
+                at_bound_speed = b["span_s"] / run["span_s"] * ms / base
+                cells.append(f"{ms:.1f} ms ×{ms / base:.2f} → {at_bound_speed:.2f}")
             load = (run or {}).get("load") or {}
             other.append("-" if load.get("other") is None else f"{load['other']:.2f}")
         if any(c != "-" for c in cells):
             table.append([rig, system, *cells, "/".join(other)])
     return table
+
+
+LOADED_CORES = 0.1
+"""Other processes' load (cores) above which a run is named as disturbed (any rig)."""
+
+
+def loaded_runs(runs: list[dict[str, Any]]) -> str:
+    """The runs, of every rig, during which other processes kept more than LOADED_CORES busy."""
+    hit = [
+        f"{r['rig']} round {r.get('round', 0)} {r['system']} ({r['load']['other']:.2f})"
+        for r in runs
+        if (r.get("load") or {}).get("other") is not None and r["load"]["other"] > LOADED_CORES
+    ]
+    what = ", ".join(hit) if hit else "none"
+    return f"Runs (any rig) with other processes' load above {LOADED_CORES:g} cores: {what}."
 
 
 BREAKDOWN_HEADERS = [
@@ -775,15 +791,19 @@ def markdown(data: dict[str, Any]) -> str:
         lines += [
             "",
             (
-                "How fast the machine ran each run's steps: the ranks' mean compute per step "
-                "(CPU ms, the slowdown's sleep left out; in brackets, over the same round's "
-                "bound), and the cores other processes kept busy during the run, per round "
-                "(`/proc/stat` less the run's own processes). A run whose steps cost more than "
-                "its round's bound ran on a slower machine: its span and fraction of the bound "
-                "carry that, whatever its schedule."
+                "How fast the machine ran each run's steps, per round: the ranks' mean compute "
+                "per step (CPU ms, the slowdown's sleep left out), `×` that over the same "
+                "round's bound, `→` the run's fraction of the bound at the bound's step cost "
+                "(its fraction × that ratio; the verdicts above use the raw fraction), and the "
+                "cores other processes kept busy during each run (`/proc/stat` less the run's "
+                "own processes). A run whose steps cost more than its round's bound ran on a "
+                "slower machine: its span and raw fraction of the bound carry that, whatever "
+                "its schedule."
             ),
             "",
             *markdown_table(step_cost_headers(data["runs"]), rows),
+            "",
+            loaded_runs(data["runs"]),
         ]
     return "\n".join(lines)
 
@@ -921,10 +941,12 @@ def main(argv: list[str] | None = None) -> int:
     table = step_cost_rows(runs)
     if table:
         print_table(
-            "compute per step, CPU ms (÷ the round's bound), and other processes' load",
+            "compute per step (× the round's bound's; → fraction of the bound at its step cost), "
+            "and other processes' load",
             step_cost_headers(runs),
             table,
         )
+        print(loaded_runs(runs))
     goals = targets(rows)
     for t in goals:
         state = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")

@@ -106,10 +106,18 @@ def test_hetero_medians_ratios_and_targets(bench: Any) -> None:
     assert "| x3 | cpu_cadence | 11.0 (10.0–12.0) |" in text
     # the machine's speed per round: steps of 26 ms mean against the bound's 20 (a slow round)
     costs = {row[1]: row for row in h.step_cost_rows(runs)}
-    assert costs["cpu_cadence"] == ["x3", "cpu_cadence", "26.0 (1.30)", "21.0 (1.05)", "0.00/0.25"]
-    assert costs["bound"][2:4] == ["20.0 (1.00)", "20.0 (1.00)"]
+    # round 0: of bound 9 / 10 = 0.90, at the bound's step cost 0.90 × 1.30 = 1.17
+    assert costs["cpu_cadence"] == [
+        "x3",
+        "cpu_cadence",
+        "26.0 ms ×1.30 → 1.17",
+        "21.0 ms ×1.05 → 0.84",
+        "0.00/0.25",
+    ]
+    assert costs["bound"][2:4] == ["20.0 ms", "20.0 ms"]
     assert "diloco" not in costs  # it failed in every round: nothing measured, no row
-    assert "| x3 | cpu_cadence | 26.0 (1.30) | 21.0 (1.05) | 0.00/0.25 |" in text
+    assert "load above 0.1 cores: x3 round 1 cpu_cadence (0.25), x3 round 1 ddp (0.25)" in text
+    assert "| x3 | cpu_cadence | 26.0 ms ×1.30 → 1.17 | 21.0 ms ×1.05 → 0.84 | 0.00/0.25 |" in text
     assert "speed vs DDP 2.25× (target ≥ 2.5×): **not met**" in text
 
 
