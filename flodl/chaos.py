@@ -16,8 +16,8 @@ Faults (``kind``):
 * ``close_control`` / ``close_data``: the rank's control or data connection is cut as a
   network failure would cut it;
 * ``delay_reduce``: the next averaging upload waits ``duration_s`` (slow, not dead);
-* ``kill_in_reduce``: SIGKILL inside the next averaging cycle (after ``snapshot_ready``, before
-  the upload or the collective);
+* ``kill_in_reduce``: SIGKILL inside the next averaging cycle (the rank entered it — after its
+  ``snapshot_ready`` where it sends one —, before the upload or the collective);
 * ``kill_in_callback`` / ``kill_in_checkpoint``: SIGKILL inside the next callback
   (``epoch_fn``, eval, ``checkpoint_fn``) or bundle save (after the optimizer state, before
   the model file) on that rank;

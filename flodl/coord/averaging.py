@@ -5,7 +5,10 @@ Pure module (docs/design.md §2). One cycle at a time, on both backends:
 * **trigger** when the count gate opens: ``request_params`` (CPU; with ``throttle`` in CPU Sync)
   or ``sync_now`` (collective) to every live rank, and — CPU — the reduce server opens the round;
 * **snapshot**: a rank entering the reduce reports ``snapshot_ready``; its done count per epoch
-  is what the cycle will commit (overwritten by its ``sync_ack``, which also closes its window);
+  is what the cycle will commit (overwritten by its ``sync_ack``, which also closes its window).
+  In the modes that wait for the update (CPU Sync and Cadence) ranks send none: a rank trains
+  nothing between entering the reduce and the update, so the ledger's count when it acks — or
+  dies inside the cycle — is the same snapshot;
 * **finalize** once every live expected rank acked and — CPU — the reduce server reported the
   round (:class:`~flodl.coord.cycle.Cycle`). Contributors are the ranks that acked plus — CPU —
   those the server folded in (a rank that died after its upload was folded still contributed),
@@ -182,12 +185,23 @@ class Averaging:
     # ------------------------------------------------------------------ deaths
     def on_death(self, rank: int) -> bool:
         """A rank died: never wait for it. True when its forfeit must wait for the finalize
-        (it snapshotted inside the pending cycle)."""
-        if self.cycle.pending:
-            self.cycle.drop(rank)
-            if self.windows[rank].snapshot_cycle == self.cycle.number:
-                self.deferred_forfeit.add(rank)
-                return True
+        (it snapshotted inside the pending cycle, or — modes that wait for the update — it was
+        one of the cycle's ranks)."""
+        if not self.cycle.pending:
+            return False
+        took_part = rank in self.cycle.expected
+        self.cycle.drop(rank)
+        run = self.windows[rank]
+        if took_part and self.traits.waits_for_update and run.snapshot_cycle != self.cycle.number:
+            # These ranks send no snapshot_ready: once in the reduce a rank trains nothing until
+            # the update, and its batches reached us ahead of it, so its done counts now are
+            # those it entered the reduce with. The finalize commits them only if the reduce
+            # server folded its upload in; a rank that never entered gets all of it forfeited.
+            run.snapshot = self.dispatch.snapshot(rank)
+            run.snapshot_cycle = self.cycle.number
+        if run.snapshot_cycle == self.cycle.number:
+            self.deferred_forfeit.add(rank)
+            return True
         return False
 
     def forget_snapshot(self, rank: int) -> None:

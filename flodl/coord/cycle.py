@@ -153,7 +153,9 @@ class RankWindow:
         window: accumulators of the window in progress (reset when the rank acks a cycle).
         closed_window: the window the rank closed with its ack, until the cycle finalizes.
         snapshot: the rank's done count per open epoch when it entered the pending cycle
-            (``snapshot_ready``, overwritten by its ``sync_ack``); what finalize commits.
+            (``snapshot_ready``, overwritten by its ``sync_ack``; where ranks wait for the
+            update, taken at the ack or at the rank's death inside the cycle); what finalize
+            commits.
         snapshot_cycle: the cycle the snapshot belongs to.
         ack_session: the collective session the rank's ack was made under.
     """

@@ -14,7 +14,8 @@ production rank reacts to every frame.
   the oldest slice), :class:`Wait` (block for a frame) or :class:`Stop`;
 * the executor reports back: :meth:`~RankProtocol.trained` (the ``batch`` frame, and
   ``metrics`` when a slice ends), :meth:`~RankProtocol.begin_reduce` /
-  :meth:`~RankProtocol.end_reduce` (``snapshot_ready``, ``sync_ack``),
+  :meth:`~RankProtocol.end_reduce` (``snapshot_ready`` — not in the modes that wait for the
+  update —, ``sync_ack``),
   :meth:`~RankProtocol.lr_set` (``lr_update`` when the LR it applied changed),
   :meth:`~RankProtocol.collective_failed` (frames other than ``new_session``, a save and a stop
   are held until the group re-forms, then replayed in order).
@@ -463,10 +464,17 @@ class RankProtocol:
         self.sums = StepSums()
         return metrics
 
-    def begin_reduce(self, cycle: int) -> tuple[SnapshotReady, int]:
+    def begin_reduce(self, cycle: int) -> tuple[SnapshotReady | None, int]:
         """Enter cycle ``cycle``: its ``snapshot_ready`` frame and the window's step count (the
-        reduce weight is ``n ** gamma``)."""
+        reduce weight is ``n ** gamma``).
+
+        No frame where the rank waits for the update (CPU Sync and Cadence): from here to the
+        update it trains nothing, so its done counts cannot move before its ``sync_ack`` and
+        the coordinator reads them from its own ledger if the rank dies in between
+        (docs/design.md §2, commit rule): one frame fewer per rank per cycle."""
         self.pending_reduce = None
+        if self.waits_for_update:
+            return None, self.window_steps
         return SnapshotReady(rank=self.rank, cycle=cycle, step=self.step), self.window_steps
 
     def collective_failed(self) -> None:

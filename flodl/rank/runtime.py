@@ -3,8 +3,7 @@
 The main thread owns torch and ``torch.distributed``; the bridge thread owns the control
 socket. The loop never awaits: between optimizer steps it drains the bridge's inbox and obeys
 the coordinator (docs/design.md §2b). What a frame means, and what to do next, is the pure
-:class:`~flodl.rank.protocol.RankProtocol` (which the simulator drives too); this module
-executes its actions with torch:
+:class:`~flodl.rank.protocol.RankProtocol` (the simulator drives it too), executed here:
 
 * ``start_epoch`` / ``extend_partition`` / a folded ``update.next_plan`` queue slices of the
   shared permutation (identical on every process: :func:`flodl.sampling.permutation`);
@@ -13,8 +12,8 @@ executes its actions with torch:
   coordinator's global step) and reports a ``batch`` frame (compute ms, data ms, loss); a
   finished slice reports ``metrics``;
 * ``request_params`` (CPU) / ``sync_now`` (collective) make the rank take part in the averaging
-  cycle at its next step boundary: ``snapshot_ready``, the weighted reduce (weight ``n^gamma``
-  for the ``n`` steps since the last cycle), the divergence numbers (docs/design.md §2b) in
+  cycle at its next step boundary: ``snapshot_ready`` (Async, collective), the weighted reduce
+  (weight ``n^gamma`` for the ``n`` steps since the last cycle), the divergence numbers in
   ``sync_ack``; CPU Sync/Cadence then wait for ``update`` (Cadence's carries the next chunk),
   Async blends the consensus elastically (EASGD) and goes on;
 * a collective that fails because a peer died waits for ``new_session``, re-forms the group
@@ -617,7 +616,8 @@ class RankLoop:
     # ------------------------------------------------------------------ averaging
     def _reduce(self, cycle: int, heal: bool = False) -> None:
         snapshot, n = self.protocol.begin_reduce(cycle)
-        self._send(snapshot)
+        if snapshot is not None:
+            self._send(snapshot)
         if self.chaos is not None:
             self.chaos.before_reduce()
         weight = float(n) ** self.el.gamma if n > 0 else 0.0

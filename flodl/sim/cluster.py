@@ -467,7 +467,8 @@ class SimCluster:
                     self._begin_reduce(r, 0)
                 case Reduce(cycle=cycle):
                     snapshot, _ = proto.begin_reduce(cycle)
-                    self._to_coord(snapshot)
+                    if snapshot is not None:
+                        self._to_coord(snapshot)
                     self._begin_reduce(r, cycle)
                 case Train():
                     self._start_batch(r)

@@ -96,7 +96,7 @@ __all__ = [
     "COORD_FRAME_KINDS",
 ]
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Version of the control protocol, in every ``hello`` and in the server's challenge; bumped on
 any incompatible change of a frame, of the codec or of the handshake. 6: ``hello.gpu`` (the
 physical GPU behind a CUDA rank's device) and ``resource_sample.device`` / ``gpu_name``;
@@ -260,7 +260,10 @@ class SyncAck(_Frame):
 
 
 class SnapshotReady(_Frame):
-    """The rank's parameter upload for ``cycle`` left (honest per-rank upload latency)."""
+    """The rank entered cycle ``cycle`` (its upload or collective starts): the done counts the
+    cycle commits if the rank dies before its ``sync_ack``. Sent in CPU Async and the
+    collective modes only; ranks that wait for the update train nothing until then, so the
+    coordinator reads the same counts from its ledger (docs/design.md §2, commit rule)."""
 
     kind: Literal["snapshot_ready"] = "snapshot_ready"
     rank: RankId

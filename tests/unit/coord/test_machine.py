@@ -115,7 +115,8 @@ def chunk_metrics(rank: int, epoch: int, n: int) -> Metrics:
 
 class Cluster:
     """N fake ranks played synchronously against a real Coordinator, answering like
-    ``flodl/sim/cluster.py`` (train → snapshot_ready → [ReduceDone] → sync_ack → update …)."""
+    ``flodl/sim/cluster.py`` (train → snapshot_ready (Async, collective) → [ReduceDone] →
+    sync_ack → update …)."""
 
     def __init__(self, config: CoordConfig) -> None:
         self.config, self.clock = config, FakeClock()
@@ -252,7 +253,8 @@ class Cluster:
 
     def _enter_reduce(self, r: int, c: int) -> None:
         self.wanted[r], self.in_reduce[r] = None, c
-        self.feed(SnapshotReady(rank=r, cycle=c, step=self.step[r]))
+        if not self.config.elche.traits.waits_for_update:  # as RankProtocol.begin_reduce
+            self.feed(SnapshotReady(rank=r, cycle=c, step=self.step[r]))
         if self.cpu:
             self.entered.setdefault(c, set()).add(r)
             self._maybe_reduced(c)
@@ -474,7 +476,9 @@ def test_a_dead_rank_rejoins_a_cpu_run_and_trains_once_it_has_the_consensus(mode
     assert not [f for r, f in sends(before, StartEpoch) if r == 2]
     assert not [f for r, f in sends(before, ExtendPartition) if r == 2]
     assert not [f for r, f in sends(before, Update) if r == 2 and f.next_plan is not None]
-    assert any(isinstance(e, SnapshotReady) and e.rank == 2 for e in before)
+    # it took part in the cycle that gave it the consensus (CPU Sync and Cadence ranks send
+    # no snapshot_ready: their ack says it)
+    assert any(isinstance(e, SyncAck) and e.rank == 2 for e in before)
     [record] = [e for e in c.trace if isinstance(e, Record) and e.kind == "rank_rejoined"]
     assert record.data["rank"] == 2 and record.data["incarnation"] == 1
     assert record.data["down_s"] == 2.0 and record.data["world_size"] == 3
@@ -726,9 +730,8 @@ def test_cpu_cadence_cycle_end_to_end() -> None:
         (1, RequestParams(cycle=1)),
     ]
     update = index(t, lambda e: isinstance(e, Send) and isinstance(e.frame, Update))
+    assert of(t, SnapshotReady) == []  # a Cadence rank waits for the update: no snapshot frame
     for needed in (
-        SnapshotReady(rank=0, cycle=1, step=10),
-        SnapshotReady(rank=1, cycle=1, step=10),
         ReduceDone(1, (0, 1), 2.0),
         SyncAck(rank=0, cycle=1, step=10),
         SyncAck(rank=1, cycle=1, step=10),
@@ -773,6 +776,37 @@ def test_cpu_finalize_waits_for_every_ack_and_the_reduce_done() -> None:
     assert c.coord.sync_rounds == 1
     assert c.feed(SyncAck(rank=1, cycle=1, step=10)) == []  # never folded twice
     assert c.coord.sync_rounds == 1
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_sync"])
+@pytest.mark.parametrize("folded", [True, False])
+def test_a_rank_dead_inside_a_cpu_cycle_is_committed_exactly_when_its_upload_was_folded(
+    mode: str, folded: bool
+) -> None:
+    # CPU Sync and Cadence ranks send no snapshot_ready: for a rank that dies before its ack,
+    # the cycle commits the ledger's done count at its death, and only if the reduce server
+    # folded its upload in; otherwise all of its work goes back, at the finalize.
+    c = joined(mode, dataset_len=1280)  # 40 batches
+    trained = 10 if mode == "cpu_cadence" else 1  # Cadence: the chunk; Sync: one step
+    for s in range(1, trained + 1):
+        c.feed(batch(0, s))
+        c.feed(batch(1, s))
+    assert c.coord.cycle.pending and c.coord.cycle.number == 1
+    work = c.coord.dispatch.works[0]
+    held = work.pending(1)
+    if folded:
+        assert c.feed(ReduceDone(1, (0, 1), 2.0)) == []
+    c.kill(1)
+    assert work.pending(1) == held  # nothing forfeited before the finalize knows
+    if not folded:
+        c.feed(ReduceDone(1, (0,), 1.0))
+    effects = c.feed(SyncAck(rank=0, cycle=1, step=trained))
+    assert [r for r, _ in sends(effects, Update)] == [0]
+    assert work.committed(0) == trained
+    assert work.committed(1) == (trained if folded else 0)
+    assert work.pending(1) == 0 and work.in_flight(1) == 0  # the rest went back
+    report = work.coverage_report()
+    assert report.ok and report.committed == trained * (2 if folded else 1)
 
 
 def test_cpu_cycle_without_reduce_done_never_finalizes() -> None:
