@@ -395,7 +395,7 @@ def test_coord_verdicts_and_markdown(bench: Any) -> None:
     rows = [
         {"world": w, "cycle_us": us, "cycle_us_per_rank": us / w, "batch_us": 3.5}
         | {"total_ms_per_cycle": 1.0, "one_off_ms": 2.0, "sim_rank_seconds_per_wall_s": 700}
-        | {"closing_ms": 0.25 * w}
+        | {"closing_ms": 0.25 * w, "cycles": 24, "cycle_gc_us": us / 4}
         for w, us in ((8, 300.0), (64, 1_500.0), (4096, 120_000.0))
     ]
     v = c.verdicts(rows)
@@ -413,7 +413,7 @@ def test_coord_verdicts_and_markdown(bench: Any) -> None:
             "verdicts": v,
         }
     )
-    assert "| 4,096 | 120,000 | 29.3 |" in text
+    assert "| 4,096 | 24 | 120,000 | 30,000 | 29.3 |" in text  # a quarter of it the collector's
     assert "| 1.0 | 1024.0 | 2 | 700 |" in text  # the closing cycle, apart from the steady ones
     assert "4096-rank cycle under 50 ms: 120.0 ms, **not met**" in text
 
