@@ -649,9 +649,7 @@ def step_cost_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
     the bound's in its round, the machine ran them slower: its span and its fraction of the
     bound move with that, not with the system's schedule."""
     rounds = sorted({r.get("round", 0) for r in runs})
-    bound = {
-        (r["rig"], r.get("round", 0)): r for r in runs if r["system"] == "bound" and r.get("ok")
-    }
+    by = {(r["rig"], r["system"], r.get("round", 0)): r for r in runs}
     order: list[tuple[str, str]] = []
     for r in runs:
         key = (r["rig"], r["system"])
@@ -661,20 +659,13 @@ def step_cost_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
     for rig, system in order:
         cells, other = [], []
         for n in rounds:
-            run = next(
-                (
-                    r
-                    for r in runs
-                    if r["rig"] == rig and r["system"] == system and r.get("round", 0) == n
-                ),
-                None,
-            )
+            run = by.get((rig, system, n))
             ms = _mean_step_ms(run) if run is not None and run.get("ok") else None
-            b = bound.get((rig, n))
-            base = _mean_step_ms(b) if b is not None else None
+            b = by.get((rig, "bound", n))
+            base = _mean_step_ms(b) if b is not None and b.get("ok") else None
             if run is None or ms is None:
                 cells.append("-")
-            elif system == "bound" or not base or b is None:
+            elif system == "bound" or b is None or not base:
                 cells.append(f"{ms:.1f} ms")
             else:
                 at_bound_speed = b["span_s"] / run["span_s"] * ms / base
