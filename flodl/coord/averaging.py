@@ -142,7 +142,8 @@ class Averaging:
         run.ack_session = ack.session
         run.closed_window = run.window
         run.window = WindowStats()
-        self.dispatch.refresh(ack.rank)
+        # No count-gate refresh here: nothing reads the gate while the cycle is pending, and
+        # the finalize rebuilds every rank's flags (Dispatch.invalidate_cohort).
         self._divergence[ack.rank] = (ack.divergence, ack.pre_norm, ack.post_norm)
         return self.cycle.ack(ack.rank, ack.step) and self.cycle.ready()
 

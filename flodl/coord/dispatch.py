@@ -28,7 +28,7 @@ set.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,7 @@ from flodl.coord.ledger import (
 from flodl.coord.membership import Membership
 from flodl.coord.partition import (
     carve_ranges,
-    chunk_batches,
+    chunk_batches_unchecked,
     final_window_alloc,
     partition_sizes,
     split_among,
@@ -189,7 +189,11 @@ class Dispatch:
 
     def snapshot(self, rank: int) -> dict[int, int]:
         """``rank``'s done count per open epoch (what a cycle it enters will commit)."""
-        return {e: w.done(rank) for e, w in self.works.items()}
+        works = self.works
+        if len(works) == 1:  # the common case, asked once per rank per cycle
+            for e, w in works.items():
+                return {e: w.done(rank)}
+        return {e: w.done(rank) for e, w in works.items()}
 
     def epochs_done(self) -> bool:
         """No epoch is open and every epoch of the run was opened."""
@@ -324,64 +328,88 @@ class Dispatch:
     def take_chunk(self, rank: int, now: float, out: list[Effect]) -> EpochPlan | None:
         """Take ``rank``'s next progressive chunk from the ledger (not sent: the caller sends it,
         alone or folded into an ``update``); None when the pacing rules hold it."""
-        if not self.membership.trains(rank):
-            return None
+        return self.take_chunks((rank,), now, out).get(rank)
+
+    def take_chunks(
+        self, ranks: Iterable[int], now: float, out: list[Effect]
+    ) -> dict[int, EpochPlan]:
+        """:meth:`take_chunk` for each of ``ranks`` in turn, in one pass: a finalize hands every
+        live rank its next chunk, so what is the same for all of them (the pacing mode, the
+        cached cohort, the epoch being served) is read once, not once per rank (docs/design.md
+        §5, "Coordinator cost"). Ranks the pacing rules hold get no entry."""
+        plans: dict[int, EpochPlan] = {}
         barrier = self._barrier
         if barrier and self.cycle.pending:
-            return None
-        held = self.in_flight(rank)
-        if barrier and held > 0:
-            return None
-        # Work already handed out counts against the window budget: without this an Async
-        # rank would pile up a chunk per finalize and the overshoot bound would not hold.
-        steps = self.windows[rank].window.steps + held
-        counts, _, sum_counts = self.cohort()
-        count = counts[rank]
+            return plans
+        trains = self.membership.trains
+        windows = self.windows
         overshoot = self.max_overshoot if self.traits.overshoot else 0
-        extension = False
-        if steps >= count + overshoot:
-            if not self._may_extend(rank):
-                return None
-            extension = True
-        work = self.first_unassigned()
-        if work is None:
-            if barrier or self.next_epoch >= self.config.total_epochs:
-                return None
-            work = self.open_epoch(self.next_epoch, now, out)
-            if work.remaining() == 0:
-                return None
-        final_slot = self._final_slot(work, rank) if barrier else None
-        if extension:
-            # one batch at a time, and never into the epoch's final-window band: the pool
-            # keeps what the closing windows need
-            if final_slot is not None or work.remaining() <= self._final_band():
-                return None
-            size = 1
-        else:
-            size = chunk_batches(
-                barrier_paced=barrier,
-                count=count,
-                steps_in_window=steps,
-                remaining=work.remaining(),
-                sum_counts=sum_counts,
-                final_slot=final_slot,
-                max_overshoot=overshoot,
-                calibrated=not self._calibrating,  # cached with the cohort: O(1), not O(W)
-                world_size=self.config.world_size,
-                total_batches=work.total_batches,
+        counts, _, sum_counts = self.cohort()
+        bs = self._bs
+        work: EpochWork | None = None
+        for rank in ranks:
+            if not trains(rank):
+                continue
+            held = self.in_flight(rank)
+            if barrier and held > 0:
+                continue
+            # Work already handed out counts against the window budget: without this an Async
+            # rank would pile up a chunk per finalize and the overshoot bound would not hold.
+            steps = windows[rank].window.steps + held
+            count = counts[rank]
+            rank_sum = sum_counts
+            extension = False
+            if steps >= count + overshoot:
+                if not self._may_extend(rank):
+                    continue
+                extension = True
+            if work is None or work.remaining() == 0:
+                work = self.first_unassigned()
+            if work is None:
+                if barrier or self.next_epoch >= self.config.total_epochs:
+                    break  # nothing unassigned, and nothing to open: no rank gets a chunk
+                work = self.open_epoch(self.next_epoch, now, out)
+                counts, _, sum_counts = self.cohort()  # opening invalidated it (next ranks)
+                if work.remaining() == 0:
+                    work = None
+                    continue
+            final_slot = self._final_slot(work, rank) if barrier else None
+            remaining = work.remaining()
+            if extension:
+                # one batch at a time, and never into the epoch's final-window band: the pool
+                # keeps what the closing windows need
+                if final_slot is not None or remaining <= self._final_band():
+                    continue
+                size = 1
+            else:
+                size = chunk_batches_unchecked(
+                    barrier_paced=barrier,
+                    count=count,
+                    steps_in_window=steps,
+                    remaining=remaining,
+                    sum_counts=rank_sum,
+                    final_slot=final_slot,
+                    max_overshoot=overshoot,
+                    calibrated=not self._calibrating,  # cached with the cohort: O(1)
+                    world_size=self.config.world_size,
+                    total_batches=work.total_batches,
+                )
+            if size <= 0:
+                continue
+            rng = work.take(rank, size)
+            if rng is None:
+                continue
+            if extension:
+                self._ext_holding.add(rank)
+            self.refresh(rank)
+            if final_slot is not None:
+                slots = self.final_plans[work.epoch][1]
+                if slots is not None:
+                    slots[rank] = max(0, slots[rank] - rng.size)
+            plans[rank] = EpochPlan(
+                epoch=work.epoch, partition_offset=rng.start * bs, partition_size=rng.size * bs
             )
-        if size <= 0:
-            return None
-        rng = work.take(rank, size)
-        if rng is None:
-            return None
-        if extension:
-            self._ext_holding.add(rank)
-        self.refresh(rank)
-        slots = self.final_plans[work.epoch][1] if final_slot is not None else None
-        if slots is not None:
-            slots[rank] = max(0, slots[rank] - rng.size)
-        return self.plan(work.epoch, rng)
+        return plans
 
     def _may_extend(self, rank: int) -> bool:
         """Whether ``rank``, done with its window's chunk, may train one more batch of it: the

@@ -115,6 +115,18 @@ class Liveness:
         r.reason = ""
         self.join(rank, now)
 
+    def touch(self, rank: int, now: float) -> bool:
+        """A frame from ``rank`` arrived at ``now``: True if ``rank`` is in range and alive (its
+        last-seen instant refreshed), False otherwise (nothing changes). One call where a frame
+        would otherwise make three (range, state, seen): it runs for every frame."""
+        if not 0 <= rank < self.world_size:
+            return False
+        r = self._ranks[rank]
+        if r.state is not RankState.ALIVE:
+            return False
+        r.last_seen_at = max(r.last_seen_at, now)
+        return True
+
     def seen(self, rank: int, now: float) -> None:
         """Any frame from ``rank`` arrived at ``now``."""
         r = self._ranks[rank]

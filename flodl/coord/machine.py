@@ -127,6 +127,7 @@ class Coordinator:
             forming_size=config.forming_size,
             traits=config.elche.traits,
         )
+        self._touch = self.membership.liveness.touch  # every rank frame calls it: bound once
         self.elche = ElChe(
             w,
             anchor=el.anchor,
@@ -619,10 +620,8 @@ class Coordinator:
         """A frame of a live rank refreshes its liveness, then goes to ``on`` (its handler in
         :data:`_RANK_FRAME_HANDLERS`; None: nothing more)."""
         rank = frame.rank
-        membership = self.membership
-        if not membership.in_range(rank) or not membership.is_alive(rank):
+        if not self._touch(rank, now):
             return  # late frames from a dead or finished rank change nothing
-        membership.seen(rank, now)
         if on is None:
             return
         try:
@@ -713,10 +712,7 @@ class Coordinator:
             and self.progressive
             and self.dispatch.first_unassigned() is not None
         ):
-            for r in self.membership.alive():
-                plan = self.dispatch.take_chunk(r, now, out)
-                if plan is not None:
-                    fold[r] = plan
+            fold = self.dispatch.take_chunks(self.membership.alive(), now, out)
         self.averaging.release(number, out, fold)
         self.admission.maybe_grow_session(out)
         self._advance_epochs(now, out, holding=fold)

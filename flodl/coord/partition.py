@@ -54,6 +54,7 @@ __all__ = [
     "reduce_step_budget",
     "cap_to_reduce_budget",
     "chunk_batches",
+    "chunk_batches_unchecked",
 ]
 
 
@@ -495,7 +496,41 @@ def chunk_batches(
     require_positive("min_chunk_batches", min_chunk_batches)
     if final_slot is not None:
         require_non_negative("final_slot", final_slot)
-    budget = reduce_step_budget(count, max_overshoot, barrier_paced=barrier_paced)
+    require_non_negative("count", count)
+    require_non_negative("max_overshoot", max_overshoot)
+    return chunk_batches_unchecked(
+        barrier_paced=barrier_paced,
+        count=count,
+        steps_in_window=steps_in_window,
+        remaining=remaining,
+        sum_counts=sum_counts,
+        final_slot=final_slot,
+        max_overshoot=max_overshoot,
+        calibrated=calibrated,
+        world_size=world_size,
+        total_batches=total_batches,
+        min_chunk_batches=min_chunk_batches,
+    )
+
+
+def chunk_batches_unchecked(
+    *,
+    barrier_paced: bool,
+    count: int,
+    steps_in_window: int,
+    remaining: int,
+    sum_counts: int,
+    final_slot: int | None,
+    max_overshoot: int = 0,
+    calibrated: bool,
+    world_size: int,
+    total_batches: int,
+    min_chunk_batches: int = 1,
+) -> int:
+    """:func:`chunk_batches` without its argument checks, for the dispatcher's hot path: it
+    reads every argument from its own ledger and cohort, where they hold by construction
+    (the simulator checks the ledger after every step)."""
+    budget = count if barrier_paced else count + max_overshoot
     if remaining == 0 or steps_in_window >= budget:
         return 0
     if final_slot is not None:
