@@ -225,10 +225,11 @@ class Averaging:
     def commit(self, out: list[Effect], *, redistribute: bool) -> None:
         """Commit every contributor's snapshot; settle the forfeits deferred to this cycle."""
         number = self.cycle.number
+        windows, commit = self.windows, self.dispatch.commit
         for r in sorted(self.contributors()):
-            run = self.windows[r]
+            run = windows[r]
             if run.snapshot_cycle == number and run.snapshot is not None:
-                self.dispatch.commit(r, run.snapshot)
+                commit(r, run.snapshot)
         for r in sorted(self.deferred_forfeit):
             self.dispatch.forfeit(r, out, redistribute=redistribute)
             self.forget_snapshot(r)

@@ -471,8 +471,9 @@ class Dispatch:
 
     def commit(self, rank: int, snapshot: dict[int, int]) -> None:
         """Commit ``rank``'s work up to its snapshot (a finalized cycle folded it in)."""
+        works = self.works
         for e, done in snapshot.items():
-            work = self.works.get(e)
+            work = works.get(e)
             if work is not None:
                 work.commit_upto(rank, min(done, work.done(rank)))
 

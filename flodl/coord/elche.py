@@ -131,9 +131,24 @@ class _Ring:
     """Trust window: the last :data:`TRUST_WINDOW_CAP` ms/batch readings of one rank."""
 
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=TRUST_WINDOW_CAP))
+    _mean: float | None = None
+    """The mean of ``samples``, computed on first ask after a change: a window report asks
+    each rank's a few times (election, counts, the slow cohort), at O(W) per ask."""
+
+    def push(self, ms: float) -> None:
+        self.samples.append(ms)
+        self._mean = None
+
+    def clear(self) -> None:
+        self.samples.clear()
+        self._mean = 0.0
 
     def mean(self) -> float:
-        return sum(self.samples) / len(self.samples) if self.samples else 0.0
+        m = self._mean
+        if m is None:
+            s = self.samples
+            m = self._mean = sum(s) / len(s) if s else 0.0
+        return m
 
 
 class ElChe:
@@ -483,7 +498,7 @@ class ElChe:
         if not self._alive[rank]:
             return
         self._alive[rank] = False
-        self._rings[rank].samples.clear()
+        self._rings[rank].clear()
         self._misses[rank] = 0
         self._batch_counts[rank] = 0
         self._pending_slack_ms[rank] = 0.0
@@ -508,7 +523,7 @@ class ElChe:
         if self._alive[rank]:
             return
         self._alive[rank] = True
-        self._rings[rank].samples.clear()
+        self._rings[rank].clear()
         self._misses[rank] = 0
         self._batch_counts[rank] = self._anchor
         self._recompute_if_measured()
@@ -557,17 +572,18 @@ class ElChe:
                 f"batches must have {self._world_size} entries, got {len(batches)}"
             )
         # 1. trust rings and miss counters
-        for r in range(self._world_size):
-            if not self._alive[r]:
+        rings, misses, isfinite = self._rings, self._misses, math.isfinite
+        for r, up in enumerate(self._alive):
+            if not up:
                 continue
             n, wall = batches[r], walls[r]
-            if n > 0 and wall > 0 and math.isfinite(wall):
-                self._rings[r].samples.append(wall / n)
-                self._misses[r] = 0
+            if n > 0 and wall > 0 and isfinite(wall):
+                rings[r].push(wall / n)
+                misses[r] = 0
             else:
-                self._misses[r] += 1
-                if self._misses[r] >= MISS_LIMIT:
-                    self._rings[r].samples.clear()
+                misses[r] += 1
+                if misses[r] >= MISS_LIMIT:
+                    rings[r].clear()
         # 2. election: only to make the first pick, or from Stable on (pins hold until then)
         if self._anchor_rank is None or self._phase >= Phase.STABLE:
             elected = self._elect_anchor()
@@ -647,29 +663,31 @@ class ElChe:
         """
         if not (slow_ms > 0 and math.isfinite(slow_ms)):
             raise LocalProtocolError(f"recompute_batch_counts: bad slow_ms {slow_ms!r}")
-        for r in range(self._world_size):
-            if not self._alive[r]:
-                self._batch_counts[r] = 0
+        counts, rings, slack = self._batch_counts, self._rings, self._pending_slack_ms
+        anchor, calibrated = self._anchor, self._calibrated
+        clamp = self._max_batch_diff if calibrated else None
+        for r, up in enumerate(self._alive):
+            if not up:
+                counts[r] = 0
                 continue
-            ms = self._rings[r].mean()
+            ms = rings[r].mean()
             if ms <= 0 or abs(ms - slow_ms) < _SAME_MS_EPS:
-                target = self._anchor
+                target = anchor
             else:
                 ratio = min(slow_ms / ms, MAX_SPEED_RATIO)
-                target = max(1, _round_half_away(self._anchor * ratio))
-            current = self._batch_counts[r]
+                target = max(1, _round_half_away(anchor * ratio))
+            current = counts[r]
             if (
                 abs(target - current) > DEAD_ZONE * current
-                or not self._calibrated
-                or self._pending_slack_ms[r] > 0  # a slack-shrunk count is always restored
+                or not calibrated
+                or slack[r] > 0  # a slack-shrunk count is always restored
             ):
-                if self._max_batch_diff is not None and self._calibrated:
-                    m = self._max_batch_diff
+                if clamp is not None:
                     if target > current:
-                        target = min(current + m, target)
+                        target = min(current + clamp, target)
                     else:
-                        target = max(current - m, target, 1)
-                self._batch_counts[r] = target
+                        target = max(current - clamp, target, 1)
+                counts[r] = target
         self._apply_window_cap()
         self._pending_slack_ms = [0.0] * self._world_size
 
@@ -781,10 +799,10 @@ class ElChe:
         self._phase = Phase(state.phase)
         self._calibration_count = state.calibration_count
         for r, mean in enumerate(saved):
-            self._rings[r].samples.clear()
+            self._rings[r].clear()
             self._misses[r] = 0
             if mean > 0 and self._alive[r]:
-                self._rings[r].samples.append(float(mean))
+                self._rings[r].push(float(mean))
         self._proposal = None
         self._pending_fill_ms = [0.0] * self._world_size
         self._pending_slack_ms = [0.0] * self._world_size

@@ -107,9 +107,20 @@ def _insert_disjoint(ranges: list[BatchRange], rng: BatchRange) -> None:
     Raises:
         CoverageError: ``rng`` overlaps a range already held (a batch would be held twice).
     """
-    if rng.size == 0:
+    start, stop = rng.start, rng.stop
+    if stop == start:
         return
-    i = bisect.bisect_left(ranges, rng.start, key=_start)
+    if not ranges:
+        ranges.append(rng)
+        return
+    last = ranges[-1]
+    if last.stop <= start:  # past every held range: the common case (work is taken in order)
+        if last.stop == start:
+            ranges[-1] = BatchRange(last.start, stop)
+        else:
+            ranges.append(rng)
+        return
+    i = bisect.bisect_left(ranges, start, key=_start)
     left = ranges[i - 1] if i > 0 else None
     right = ranges[i] if i < len(ranges) else None
     if (left is not None and left.stop > rng.start) or (
@@ -315,16 +326,23 @@ class EpochWork:
         ledger = self._ledger(rank)
         if max_batches < 1:
             raise LocalProtocolError(f"max_batches must be >= 1, got {max_batches}", rank=rank)
-        if not self._pool:
+        pool = self._pool
+        if not pool:
             return None
-        head = self._pool[0]
-        rng = BatchRange(head.start, min(head.stop, head.start + max_batches))
-        if rng.stop == head.stop:
-            del self._pool[0]
+        head = pool[0]
+        start, stop = head.start, head.stop
+        if stop - start <= max_batches:  # the whole fragment: it moves as it is
+            del pool[0]
+            rng = head
         else:
-            self._pool[0] = BatchRange(rng.stop, head.stop)
-        self._pool_count -= rng.size
-        self._grant(ledger, rng)
+            stop = start + max_batches
+            rng = BatchRange(start, stop)
+            pool[0] = BatchRange(stop, head.stop)
+        n = stop - start
+        self._pool_count -= n
+        ledger.queue.append(rng)
+        ledger.queued += n
+        ledger.last_grant = rng
         return rng
 
     def assign(self, rank: int, rng: BatchRange) -> None:
@@ -451,20 +469,26 @@ class EpochWork:
                 rank=rank,
             )
         need = done_count - ledger.committed_count
+        if need <= 0:
+            return
+        queue, committed = ledger.queue, ledger.committed
+        ledger.queued -= need
+        ledger.done_open -= need
+        ledger.committed_count += need
         while need > 0:
-            head = ledger.queue[0]
-            n = min(need, head.size)
-            if n == head.size:
-                ledger.queue.popleft()
-                if ledger.last_grant == head:
+            head = queue[0]
+            size = head.stop - head.start
+            if need >= size:  # the whole range is committed: it moves as it is
+                queue.popleft()
+                if ledger.last_grant is head:  # (a grant is queued as the very object)
                     ledger.last_grant = None
+                piece = head
+                need -= size
             else:
-                ledger.queue[0] = BatchRange(head.start + n, head.stop)
-            _insert_disjoint(ledger.committed, BatchRange(head.start, head.start + n))
-            ledger.queued -= n
-            ledger.done_open -= n
-            ledger.committed_count += n
-            need -= n
+                queue[0] = BatchRange(head.start + need, head.stop)
+                piece = BatchRange(head.start, head.start + need)
+                need = 0
+            _insert_disjoint(committed, piece)
 
     def forfeit(self, rank: int) -> list[BatchRange]:
         """The rank died: every assigned but uncommitted batch returns to the unassigned pool.
