@@ -333,26 +333,27 @@ class Averaging:
 def _window_report(
     windows: Sequence[WindowStats], alive: Sequence[bool], sync_ms: float
 ) -> WindowReport:
-    delivered_ms: list[float] = []
-    delivered_batches: list[int] = []
-    fill_ms: list[float] = []
-    for w in windows:
-        if w.steps >= 2 and w.first_ms is not None:
+    n = len(windows)
+    delivered_ms = [0.0] * n
+    delivered_batches = [0] * n
+    fill_ms = [0.0] * n
+    wall_ms = [0.0] * n
+    steps = [0] * n
+    coherent = True
+    for r, (w, a) in enumerate(zip(windows, alive, strict=True)):
+        s = steps[r] = w.steps
+        wall_ms[r] = w.compute_ms
+        if s >= 2 and w.first_ms is not None:
             marginal = w.compute_ms + w.data_ms - w.first_ms
-            per = marginal / (w.steps - 1)
-            delivered_ms.append(max(0.0, marginal))
-            delivered_batches.append(w.steps - 1)
-            fill_ms.append(max(0.0, w.first_ms - per))
-        else:
-            delivered_ms.append(0.0)
-            delivered_batches.append(0)
-            fill_ms.append(0.0)
-    coherent = all(
-        not a or w.steps == 0 or w.steps >= 2 for w, a in zip(windows, alive, strict=True)
-    )
+            per = marginal / (s - 1)
+            delivered_ms[r] = max(0.0, marginal)
+            delivered_batches[r] = s - 1
+            fill_ms[r] = max(0.0, w.first_ms - per)
+        elif a and s == 1:
+            coherent = False
     return WindowReport(
-        wall_ms=[w.compute_ms for w in windows],
-        steps=[w.steps for w in windows],
+        wall_ms=wall_ms,
+        steps=steps,
         delivered_ms=delivered_ms,
         delivered_batches=delivered_batches,
         fill_ms=fill_ms,

@@ -134,13 +134,15 @@ class Contribution:
         idle = [max(0.0, free - b) for b in busy]
         induced = induced_idle(busy, idle)
         share = averaging / len(ranks) if ranks else 0.0
-        for i, r in enumerate(ranks):
-            self._samples[r] += closed[i].samples
-            self._busy[r] += busy[i]
-            self._idle[r] += idle[i]
-            self._induced[r] += induced[i]
-            self._averaging[r] += share
-            self._span[r] += span
+        samples_t, busy_t, idle_t = self._samples, self._busy, self._idle
+        induced_t, averaging_t, span_t = self._induced, self._averaging, self._span
+        for r, w, b, i, d in zip(ranks, closed, busy, idle, induced, strict=True):
+            samples_t[r] += w.samples
+            busy_t[r] += b
+            idle_t[r] += i
+            induced_t[r] += d
+            averaging_t[r] += share
+            span_t[r] += span
         return {
             "span_ms": span,
             "sync_ms": sync_ms,

@@ -129,11 +129,15 @@ class Dispatch:
         self.coverage_log: dict[int, CoverageReport] = {}
         self.max_overshoot = el.max_overshoot if el.max_overshoot is not None else OVERSHOOT_INITIAL
         self.gate = CountGate(config.world_size)
+        self._gate_stale = False
+        """The cohort changed since the gate's flags were computed (see invalidate_cohort)."""
         self._cohort_cache: tuple[list[int], list[bool], int] | None = None
         self._cohort_version = 0
         self._calibrating = False
         """ElChe has no measurement nor hint yet (cached with the cohort)."""
         self._extends = self._barrier and self.progressive and self.traits.chunk_is_window
+        self._chunked = self.traits.chunk_is_window and self.progressive
+        """One chunk is one window: a rank's window is done when its chunk is."""
         self._ext_cycle = -1
         self._ext_holding: set[int] = set()
         """Ranks holding a calibration extension in the window after cycle ``_ext_cycle``."""
@@ -214,20 +218,33 @@ class Dispatch:
         return self._cohort_cache
 
     def invalidate_cohort(self) -> None:
-        """ElChe's counts or the live set changed: drop the cache, recompute the gate."""
+        """ElChe's counts or the live set changed: drop the cache; the count gate is rebuilt
+        on its next read (a finalize hands every rank its next chunk first, which would
+        otherwise set every rank's flags twice)."""
         self._cohort_cache = None
         self._cohort_version += 1
-        self.refresh_all()
+        self._gate_stale = True
+
+    def _fresh_gate(self) -> CountGate:
+        """The count gate, rebuilt first if the cohort changed since it was."""
+        if self._gate_stale:
+            self.refresh_all()
+        return self.gate
 
     def refresh(self, rank: int) -> None:
-        """Recompute ``rank``'s count-gate flags."""
+        """Recompute ``rank``'s count-gate flags (nothing while the gate awaits its rebuild,
+        which computes them)."""
+        if self._gate_stale:
+            return
         live = self.membership.is_alive(rank)
         if not live:
             self.gate.set(rank, live=False, sat=False, moved=False)
             return
-        steps = self.windows[rank].window.steps
-        quiesced = self.in_flight(rank) == 0
-        if self.traits.chunk_is_window and self.progressive:
+        self._set_flags(rank, self.windows[rank].window.steps, self.in_flight(rank) == 0)
+
+    def _set_flags(self, rank: int, steps: int, quiesced: bool) -> None:
+        """A live rank's count-gate flags from its window's steps and whether it holds work."""
+        if self._chunked:
             # One chunk = one window (possibly a final-window slot above the count): the
             # window is done when the chunk is, never in the middle of it.
             sat = quiesced
@@ -237,13 +254,15 @@ class Dispatch:
         self.gate.set(rank, live=True, sat=sat, moved=steps > 0)
 
     def refresh_all(self) -> None:
+        self._gate_stale = False
         self.gate.reset(self.membership.alive_count())
+        windows, in_flight, set_flags = self.windows, self.in_flight, self._set_flags
         for r in self.membership.alive():
-            self.refresh(r)
+            set_flags(r, windows[r].window.steps, in_flight(r) == 0)
 
     def gate_open(self) -> bool:
         """Whether the count gate says a cycle may start."""
-        return self.gate.open(self.membership.alive_count())
+        return self._fresh_gate().open(self.membership.alive_count())
 
     # ------------------------------------------------------------------ epochs
     def open_epoch(self, epoch: int, now: float, out: list[Effect]) -> EpochWork:
@@ -401,7 +420,8 @@ class Dispatch:
                 continue
             if extension:
                 self._ext_holding.add(rank)
-            self.refresh(rank)
+            if not self._gate_stale:  # (else the rebuild on the gate's next read sets them)
+                self._set_flags(rank, windows[rank].window.steps, False)  # it holds work now
             if final_slot is not None:
                 slots = self.final_plans[work.epoch][1]
                 if slots is not None:
@@ -426,8 +446,9 @@ class Dispatch:
         if self._ext_cycle != self.cycle.number:  # a new window: nobody is extending yet
             self._ext_cycle = self.cycle.number
             self._ext_holding.clear()
+        gate = self._fresh_gate()
         self.refresh(rank)  # its own flag may predate the batch that emptied its chunk
-        return self.gate.unsatisfied - len(self._ext_holding) > 0
+        return gate.unsatisfied - len(self._ext_holding) > 0
 
     def _final_band(self) -> int:
         """The pool size below which an epoch's window is final: Σ counts + W, as

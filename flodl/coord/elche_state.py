@@ -171,15 +171,20 @@ class WindowReport:
         compute = (list(self.wall_ms), list(self.steps))
         if not (delivered_capable and self.delivered_coherent):
             return compute
-        n = len(self.wall_ms)
-        mask = [True] * n if alive is None else list(alive)
-        has_sample = [
-            self.delivered_batches[r] > 0 and self.delivered_ms[r] > 0.0 for r in range(n)
-        ]
-        if any(mask[r] and self.steps[r] > 0 and not has_sample[r] for r in range(n)):
-            return compute
-        ms = [self.delivered_ms[r] if has_sample[r] else self.wall_ms[r] for r in range(n)]
-        batches = [self.delivered_batches[r] if has_sample[r] else self.steps[r] for r in range(n)]
+        mask = [True] * len(self.wall_ms) if alive is None else alive
+        ms: list[float] = []
+        batches: list[int] = []
+        for up, wall, steps, d_ms, d_batches in zip(
+            mask, self.wall_ms, self.steps, self.delivered_ms, self.delivered_batches, strict=True
+        ):
+            if d_batches > 0 and d_ms > 0.0:  # a delivered sample
+                ms.append(d_ms)
+                batches.append(d_batches)
+            elif up and steps > 0:  # a live mover without one: every rank on the compute scale
+                return compute
+            else:
+                ms.append(wall)
+                batches.append(steps)
         return ms, batches
 
 

@@ -296,11 +296,14 @@ class EpochWork:
         return self.total_batches - range_total(self._precovered)
 
     def _ledger(self, rank: int) -> _RankLedger:
-        if not 0 <= rank < len(self._ranks):
-            raise LocalProtocolError(
-                f"rank {rank} out of range (world_size {len(self._ranks)})", rank=rank
-            )
-        return self._ranks[rank]
+        if rank >= 0:  # (a negative index would silently read another rank's ledger)
+            try:
+                return self._ranks[rank]
+            except IndexError:
+                pass
+        raise LocalProtocolError(
+            f"rank {rank} out of range (world_size {len(self._ranks)})", rank=rank
+        )
 
     def _grant(self, ledger: _RankLedger, rng: BatchRange) -> None:
         ledger.queue.append(rng)
