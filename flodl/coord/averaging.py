@@ -315,19 +315,25 @@ class Averaging:
             self.windows[r].closed_window = None
 
     def release(self, number: int, out: list[Effect], fold_plans: dict[int, EpochPlan]) -> None:
-        """Tell live ranks the cycle is over: ``update`` (CPU; with the rank's next chunk
-        folded in where ``fold_plans`` has one) and the new global step."""
-        cpu = self.traits.cpu_averaging
+        """Tell live ranks the cycle is over and the new global step: CPU modes send one
+        ``update`` each (with the rank's next chunk folded in where ``fold_plans`` has one, and
+        the global step), the collective modes ``set_global_step``."""
+        g = self.global_step
         # Frames are immutable: one instance serves every rank that gets the same content.
-        step: CoordFrame = SetGlobalStep(global_step=self.global_step)
-        bare: CoordFrame = Update(version=number, next_plan=None)
+        if not self.traits.cpu_averaging:
+            step: CoordFrame = SetGlobalStep(global_step=g)
+            out.extend(Send(r, step) for r in self.membership.alive())
+            return
+        bare: CoordFrame = Update(version=number, next_plan=None, global_step=g)
+        get = fold_plans.get
         for r in self.membership.alive():
-            if cpu:
-                plan = fold_plans.get(r)
-                out.append(
-                    Send(r, bare if plan is None else Update(version=number, next_plan=plan))
+            plan = get(r)
+            out.append(
+                Send(
+                    r,
+                    bare if plan is None else Update(version=number, next_plan=plan, global_step=g),
                 )
-            out.append(Send(r, step))
+            )
 
 
 def _window_report(

@@ -308,11 +308,14 @@ class RankProtocol:
             case SyncNow(cycle=c, heal=heal):
                 self.pending_reduce, self.pending_heal = c, heal
                 self.throttled = False
-            case Update(next_plan=plan):
+            case Update(next_plan=plan, global_step=g):
                 self.waiting_update = False
                 self.throttled = False
                 if plan is not None:
                     self._enqueue(plan)
+                if g is not None:  # (the set_global_step CPU modes fold in)
+                    self.global_step = g
+                    self.local_since_avg = 0
             case Throttle():
                 self.throttled = True
             case SetGlobalStep(global_step=g):

@@ -96,7 +96,7 @@ __all__ = [
     "COORD_FRAME_KINDS",
 ]
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Version of the control protocol, in every ``hello`` and in the server's challenge; bumped on
 any incompatible change of a frame, of the codec or of the handshake. 6: ``hello.gpu`` (the
 physical GPU behind a CUDA rank's device) and ``resource_sample.device`` / ``gpu_name``;
@@ -460,11 +460,14 @@ class RequestParams(_Frame):
 
 class Update(_Frame):
     """CPU cycle ``version`` finished (the consensus comes on the data channel); in CPU
-    Cadence the next chunk is folded in so the rank starts it without another round trip."""
+    Cadence the next chunk is folded in so the rank starts it without another round trip.
+    ``global_step``: the run's global step after the cycle (what ``set_global_step`` carries
+    in the collective modes; folded in here, one frame fewer per rank per cycle)."""
 
     kind: Literal["update"] = "update"
     version: Count
     next_plan: EpochPlan | None = None
+    global_step: Count | None = None
 
 
 class SyncNow(_Frame):

@@ -260,6 +260,7 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
     "update": lambda: Update(
         version=12,
         next_plan=EpochPlan(epoch=3, partition_offset=0, partition_size=64),
+        global_step=480,
     ),
     "sync_now": lambda: SyncNow(cycle=13, heal=True),
     "throttle": Throttle,
