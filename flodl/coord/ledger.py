@@ -140,6 +140,44 @@ def _insert_disjoint(ranges: list[BatchRange], rng: BatchRange) -> None:
         ranges.insert(i, rng)
 
 
+def _insert_span(starts: list[int], stops: list[int], start: int, stop: int) -> None:
+    """:func:`_insert_disjoint` for ranges kept as two parallel lists of bounds (a rank's
+    committed set, which gains a range every cycle: plain ints are not tracked by the garbage
+    collector, range objects are, and at thousands of ranks they were most of the heap its
+    full passes scan).
+
+    Raises:
+        CoverageError: ``[start, stop)`` overlaps a range already held.
+    """
+    if stop == start:
+        return
+    if not starts or stops[-1] <= start:  # past every held range: the common case
+        if starts and stops[-1] == start:
+            stops[-1] = stop
+        else:
+            starts.append(start)
+            stops.append(stop)
+        return
+    i = bisect.bisect_left(starts, start)
+    left_stop = stops[i - 1] if i > 0 else None
+    right_start = starts[i] if i < len(starts) else None
+    if (left_stop is not None and left_stop > start) or (
+        right_start is not None and right_start < stop
+    ):
+        raise CoverageError(f"range [{start}, {stop}) overlaps batches already held")
+    merge_left, merge_right = left_stop == start, right_start == stop
+    if merge_left and merge_right:
+        stops[i - 1] = stops[i]
+        del starts[i], stops[i]
+    elif merge_left:
+        stops[i - 1] = stop
+    elif merge_right:
+        starts[i] = start
+    else:
+        starts.insert(i, start)
+        stops.insert(i, stop)
+
+
 def _complement(ranges: Sequence[BatchRange], total: int) -> list[BatchRange]:
     """The parts of ``[0, total)`` not in sorted, disjoint ``ranges``."""
     out: list[BatchRange] = []
@@ -216,15 +254,24 @@ class _RankLedger:
     """One rank's part of the ledger (mutable, private).
 
     ``queue`` holds the rank's assigned-but-uncommitted ranges in FIFO (training) order; its first
-    ``done_open`` batches are done (trained) but not yet committed.
+    ``done_open`` batches are done (trained) but not yet committed. The committed set is kept
+    as sorted, disjoint, coalesced ranges ``[c_starts[i], c_stops[i])`` (see
+    :func:`_insert_span`).
     """
 
     queue: deque[BatchRange] = field(default_factory=deque)
     queued: int = 0
     done_open: int = 0
     committed_count: int = 0
-    committed: list[BatchRange] = field(default_factory=list)
+    c_starts: list[int] = field(default_factory=list)
+    c_stops: list[int] = field(default_factory=list)
     last_grant: BatchRange | None = None
+
+    def committed_ranges(self) -> list[BatchRange]:
+        return [BatchRange(a, b) for a, b in zip(self.c_starts, self.c_stops, strict=True)]
+
+    def committed_total(self) -> int:
+        return sum(self.c_stops) - sum(self.c_starts)
 
 
 class EpochWork:
@@ -474,24 +521,23 @@ class EpochWork:
         need = done_count - ledger.committed_count
         if need <= 0:
             return
-        queue, committed = ledger.queue, ledger.committed
+        queue, starts, stops = ledger.queue, ledger.c_starts, ledger.c_stops
         ledger.queued -= need
         ledger.done_open -= need
         ledger.committed_count += need
         while need > 0:
             head = queue[0]
             size = head.stop - head.start
-            if need >= size:  # the whole range is committed: it moves as it is
+            if need >= size:  # the whole range is committed
                 queue.popleft()
                 if ledger.last_grant is head:  # (a grant is queued as the very object)
                     ledger.last_grant = None
-                piece = head
+                _insert_span(starts, stops, head.start, head.stop)
                 need -= size
             else:
                 queue[0] = BatchRange(head.start + need, head.stop)
-                piece = BatchRange(head.start, head.start + need)
+                _insert_span(starts, stops, head.start, head.start + need)
                 need = 0
-            _insert_disjoint(committed, piece)
 
     def forfeit(self, rank: int) -> list[BatchRange]:
         """The rank died: every assigned but uncommitted batch returns to the unassigned pool.
@@ -575,7 +621,7 @@ class EpochWork:
 
     def committed_by_rank(self) -> dict[int, list[BatchRange]]:
         """Each rank's committed ranges, sorted; every rank is a key, in rank order."""
-        return {r: list(lg.committed) for r, lg in enumerate(self._ranks)}
+        return {r: lg.committed_ranges() for r, lg in enumerate(self._ranks)}
 
     # -- coverage proof -------------------------------------------------------------------------
 
@@ -583,11 +629,13 @@ class EpochWork:
         """Audit the ledger by sweeping every holding over ``[0, total_batches)``."""
         holdings: list[BatchRange] = [*self._pool, *self._precovered]
         committed = 0
+        events: list[tuple[int, int]] = []
         for ledger in self._ranks:
             holdings.extend(ledger.queue)
-            holdings.extend(ledger.committed)
-            committed += range_total(ledger.committed)
-        events: list[tuple[int, int]] = []
+            for a, b in zip(ledger.c_starts, ledger.c_stops, strict=True):
+                events.append((a, 1))
+                events.append((b, -1))
+            committed += ledger.committed_total()
         for rng in holdings:
             if rng.size:
                 events.append((rng.start, 1))
@@ -633,7 +681,7 @@ class EpochWork:
         for r, ledger in enumerate(self._ranks):
             if (
                 ledger.queued != range_total(ledger.queue)
-                or ledger.committed_count != range_total(ledger.committed)
+                or ledger.committed_count != ledger.committed_total()
                 or not 0 <= ledger.done_open <= ledger.queued
             ):
                 raise CoverageError(f"epoch {self.epoch}: rank {r} counters are stale")

@@ -17,7 +17,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from flodl.coord.ledger import BatchRange, EpochWork
+from flodl.coord.ledger import BatchRange, EpochWork, _insert_span, merge_ranges
 from flodl.coord.partition import (
     split_among,
 )
@@ -210,7 +210,8 @@ def test_check_exactly_once_catches_a_double_commit_and_a_lost_batch() -> None:
         work.commit(r)
     work.check_exactly_once()
     ledger: Any = work._ranks[1]  # corrupt the audit target on purpose
-    ledger.committed.insert(0, R(3, 5))
+    ledger.c_starts.insert(0, 3)  # the committed set holds [3, 5) a second time
+    ledger.c_stops.insert(0, 5)
     ledger.committed_count += 2
     report = work.coverage_report()
     assert (report.duplicates, report.missing) == (2, 0)
@@ -222,11 +223,48 @@ def test_check_exactly_once_catches_a_double_commit_and_a_lost_batch() -> None:
     work.advance(0, 10)
     work.commit(0)
     lost: Any = work._ranks[0]
-    lost.committed[:] = [R(0, 9)]
+    lost.c_starts[:], lost.c_stops[:] = [0], [9]
     lost.committed_count = 9
     assert work.is_done()
     with pytest.raises(CoverageError, match="1 batch\\(es\\) lost"):
         work.check_exactly_once()
+
+
+def test_a_committed_set_kept_as_bounds_merges_and_refuses_overlaps() -> None:
+    starts: list[int] = []
+    stops: list[int] = []
+
+    def held() -> list[BatchRange]:
+        return [R(a, b) for a, b in zip(starts, stops, strict=True)]
+
+    _insert_span(starts, stops, 10, 20)  # into nothing
+    _insert_span(starts, stops, 30, 40)  # past every range, not adjacent
+    _insert_span(starts, stops, 40, 45)  # past every range, adjacent: merged
+    assert held() == [R(10, 20), R(30, 45)]
+    _insert_span(starts, stops, 0, 5)  # before every range
+    _insert_span(starts, stops, 5, 8)  # merges to its left only
+    _insert_span(starts, stops, 25, 30)  # merges to its right only
+    assert held() == [R(0, 8), R(10, 20), R(25, 45)]
+    _insert_span(starts, stops, 20, 25)  # merges both sides
+    _insert_span(starts, stops, 9, 9)  # empty: nothing
+    assert held() == [R(0, 8), R(10, 45)]
+    for a, b in ((7, 9), (9, 11), (40, 50), (2, 3)):
+        with pytest.raises(CoverageError, match="overlaps"):
+            _insert_span(starts, stops, a, b)
+    assert held() == [R(0, 8), R(10, 45)]  # a refused range changes nothing
+
+
+def test_the_bounds_form_holds_what_merged_ranges_would() -> None:
+    rng = random.Random(3)
+    cuts = sorted(rng.sample(range(1, 500), 80))
+    pieces = [R(a, b) for a, b in zip([0, *cuts], [*cuts, 500], strict=True)]
+    rng.shuffle(pieces)
+    starts: list[int] = []
+    stops: list[int] = []
+    for k, piece in enumerate(pieces, start=1):
+        _insert_span(starts, stops, piece.start, piece.stop)
+        assert [R(a, b) for a, b in zip(starts, stops, strict=True)] == merge_ranges(pieces[:k])
+    assert (starts, stops) == ([0], [500])
 
 
 def test_large_epoch_operations_are_range_based() -> None:
