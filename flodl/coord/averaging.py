@@ -134,18 +134,22 @@ class Averaging:
 
     def on_ack(self, ack: SyncAck) -> bool:
         """A rank finished its part of the pending cycle; True once the cycle may finalize."""
-        if not self.cycle.pending or ack.cycle != self.cycle.number:
+        cycle = self.cycle
+        number = ack.cycle
+        if not cycle.pending or number != cycle.number:
             return False
-        run = self.windows[ack.rank]
-        run.snapshot = self.dispatch.snapshot(ack.rank)
-        run.snapshot_cycle = ack.cycle
+        rank = ack.rank
+        run = self.windows[rank]
+        run.snapshot = self.dispatch.snapshot(rank)
+        run.snapshot_cycle = number
         run.ack_session = ack.session
         run.closed_window = run.window
         run.window = WindowStats()
         # No count-gate refresh here: nothing reads the gate while the cycle is pending, and
         # the finalize rebuilds every rank's flags (Dispatch.invalidate_cohort).
-        self._divergence[ack.rank] = (ack.divergence, ack.pre_norm, ack.post_norm)
-        return self.cycle.ack(ack.rank, ack.step) and self.cycle.ready()
+        if ack.divergence is not None:  # (the guard reads only the ranks that measured one)
+            self._divergence[rank] = (ack.divergence, ack.pre_norm, ack.post_norm)
+        return cycle.ack(rank, ack.step) and cycle.ready()
 
     def on_reduce_done(self, event: ReduceDone) -> bool:
         """The CPU reduce server folded the round; True once the cycle may finalize."""
