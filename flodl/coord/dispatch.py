@@ -355,7 +355,7 @@ class Dispatch:
         """:meth:`take_chunk` for each of ``ranks`` in turn, in one pass: a finalize hands every
         live rank its next chunk, so what is the same for all of them (the pacing mode, the
         cached cohort, the epoch being served) is read once, not once per rank (docs/design.md
-        §5, "Coordinator cost"). Ranks the pacing rules hold get no entry."""
+        §2, "Coordinator cost"). Ranks the pacing rules hold get no entry."""
         plans: dict[int, EpochPlan] = {}
         barrier = self._barrier
         if barrier and self.cycle.pending:
