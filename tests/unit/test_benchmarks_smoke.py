@@ -416,6 +416,17 @@ def test_coord_verdicts_and_markdown(bench: Any) -> None:
     assert "| 4,096 | 24 | 120,000 | 30,000 | 29.3 |" in text  # a quarter of it the collector's
     assert "| 1.0 | 1024.0 | 2 | 700 |" in text  # the closing cycle, apart from the steady ones
     assert "4096-rank cycle under 50 ms: 120.0 ms, **not met**" in text
+    assert "| 700 | 120,000 |" in text  # a single run's row names its one cycle figure
+
+
+def test_coord_rows_are_the_median_run_of_each_size(bench: Any) -> None:
+    c = bench("bench_coord")
+    runs = [{"world": 4096, "cycle_us": us, "tag": us} for us in (130_000.0, 95_000.0, 110_000.0)]
+    row = c.median_run(runs)
+    assert row["tag"] == 110_000.0 and row["repeats"] == 3  # the middle one, whole
+    assert row["cycle_us_runs"] == [95_000.0, 110_000.0, 130_000.0]
+    assert c.median_run(runs[:2])["tag"] == 95_000.0  # an even count: the lower middle
+    assert c._runs_cell(row) == "95,000 · 110,000 · 130,000"
 
 
 def test_startup_summary_is_the_median_against_torchrun(bench: Any) -> None:
