@@ -5,10 +5,12 @@ with jitter) and times every ``handle``/``tick`` call with ``perf_counter``. Rep
 size:
 
 * ``cycle µs``: coordinator CPU per averaging cycle for everything except per-batch frames
-  (ack/metrics/heartbeats, the trigger, finalize with ElChe/guard feedback, dispatch), and
+  (acks/heartbeats, the trigger, finalize with ElChe/guard feedback, dispatch, and the slice
+  reports: a ``batch`` frame that finishes a slice carries its ``metrics`` and counts here for
+  its cost beyond a plain ``batch`` frame's mean), and
   ``of which GC µs``: the part spent in Python's cyclic garbage collector, whose passes scan
   the whole heap (the simulated ranks' objects too),
-* ``batch µs``: cost of one ``batch`` frame (the per-step timing report), so a cycle of anchor
+* ``batch µs``: cost of one plain ``batch`` frame (the per-step timing report), so a cycle of anchor
   ``a`` costs ``cycle + a × W × batch``,
 * ``total ms/cycle`` at the measured anchor, and simulated ranks×seconds per wall second,
 * ``closing ms``: the last cycle, whose finalize also closes the epoch and ends the run
@@ -74,17 +76,22 @@ def measure(world: int, cycles: int) -> dict[str, Any]:
         else:
             collector["total"] += time.perf_counter() - collector["started"]
 
-    # (other, batch, the collector's share of other) spent at each finalized cycle
-    marks: list[tuple[float, float, float]] = []
+    # what was spent and called so far, at each finalized cycle
+    marks: list[tuple[dict[str, float], dict[str, int]]] = []
 
     def mark() -> None:
         while len(marks) < coord.sync_rounds:
-            marks.append((spent["other"], spent["batch"], spent["other_gc"]))
+            marks.append((dict(spent), dict(calls)))
 
     def timed_handle(event: Any, now: float) -> Any:
         g0, t0 = collector["total"], time.perf_counter()
         out = handle(event, now)
-        key = "batch" if isinstance(event, Batch) else "other"
+        # a batch that finished a slice carries its metrics (one frame where there were two)
+        key = (
+            "other"
+            if not isinstance(event, Batch)
+            else ("batch" if event.metrics is None else "slice")
+        )
         spent[key] += time.perf_counter() - t0
         spent[f"{key}_gc"] += collector["total"] - g0
         calls[key] += 1
@@ -117,14 +124,27 @@ def measure(world: int, cycles: int) -> dict[str, Any]:
     if len(marks) < 3:
         raise SystemExit(f"bench_coord: {len(marks)} cycles at {world} ranks, need 3 or more")
     steady = len(marks) - 2
-    other = marks[-2][0] - marks[0][0]
-    batches = marks[-2][1] - marks[0][1]
-    batch_us = 1e6 * spent["batch"] / max(1, calls["batch"])
-    cycle_us = 1e6 * other / steady
-    cycle_gc_us = 1e6 * (marks[-2][2] - marks[0][2]) / steady
-    total_ms = 1e3 * (other + batches) / steady
-    closing_ms = 1e3 * (marks[-1][0] - marks[-2][0])
-    one_off_ms = 1e3 * (spent["other"] - (marks[-1][0] - marks[0][0]))
+    # A plain batch frame's mean cost; a batch that carries a slice's metrics counts in the
+    # cycle for what it costs beyond that (the metrics frame it replaces did, whole).
+    plain = spent["batch"] / max(1, calls["batch"])
+    plain_gc = spent["batch_gc"] / max(1, calls["batch"])
+
+    def cyc(at: tuple[dict[str, float], dict[str, int]], gc_part: bool = False) -> float:
+        s, n = at
+        suffix, per = ("_gc", plain_gc) if gc_part else ("", plain)
+        return s.get("other" + suffix, 0.0) + s.get("slice" + suffix, 0.0) - n.get("slice", 0) * per
+
+    def total(at: tuple[dict[str, float], dict[str, int]]) -> float:
+        s = at[0]
+        return s.get("other", 0.0) + s.get("batch", 0.0) + s.get("slice", 0.0)
+
+    end = (dict(spent), dict(calls))
+    batch_us = 1e6 * plain
+    cycle_us = 1e6 * (cyc(marks[-2]) - cyc(marks[0])) / steady
+    cycle_gc_us = 1e6 * (cyc(marks[-2], True) - cyc(marks[0], True)) / steady
+    total_ms = 1e3 * (total(marks[-2]) - total(marks[0])) / steady
+    closing_ms = 1e3 * (cyc(marks[-1]) - cyc(marks[-2]))
+    one_off_ms = 1e3 * (cyc(end) - (cyc(marks[-1]) - cyc(marks[0])))
     return {
         "world": world,
         "cycles": trace.cycles,
@@ -196,9 +216,11 @@ def markdown(data: dict[str, Any]) -> str:
             "the one before the last (the last cycle also closes the epoch and ends the run: "
             "`closing ms`, a cost per epoch; formation, the first dispatch and the exits are "
             "`one-off ms`). `cycle µs` is everything except per-step `batch` frames "
-            "(ack and metrics frames — snapshot frames too where a mode sends them —, the "
-            "trigger, finalize with ElChe/guard feedback, the next dispatch); `batch µs` is the "
-            "cost of one `batch` frame. Each world size ran "
+            "(the ack frames — snapshot frames too where a mode sends them —, the "
+            "trigger, finalize with ElChe/guard feedback, the next dispatch, and each slice's "
+            "report: a `batch` frame that finishes a slice carries its `metrics` and counts "
+            "here for what it costs beyond a plain `batch` frame); `batch µs` is the cost of one "
+            "plain `batch` frame. Each world size ran "
             f"{data['rows'][0].get('repeats', 1)} time(s), interleaved with the others; a row is "
             "the run with the median `cycle µs`, and the last column shows every run's."
         ),

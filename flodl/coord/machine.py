@@ -679,6 +679,14 @@ class Coordinator:
     def _on_batch(self, batch: Batch, now: float, out: list[Effect]) -> None:
         rank = batch.rank
         self.dispatch.on_batch(batch)
+        slice_report = batch.metrics
+        if slice_report is not None:  # the batch finished a slice: its report rides along
+            if slice_report.rank != rank:
+                raise RemoteProtocolError(
+                    f"rank {rank} sent a batch carrying rank {slice_report.rank}'s metrics",
+                    rank=rank,
+                )
+            self.reporting.on_metrics(slice_report)
         self.last_progress_at = now
         self.averaging.on_batch(batch)
         self.reporting.on_batch(batch, self.dispatch.works.get(batch.epoch), now, self.elche, out)

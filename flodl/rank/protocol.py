@@ -426,27 +426,28 @@ class RankProtocol:
         data_ms: float,
         loss: float,
         scalars: dict[str, list[float]] | None = None,
-    ) -> tuple[Batch, Metrics | None]:
-        """The batch :class:`Train` asked for is trained: its ``batch`` frame, and the
-        ``metrics`` frame of its slice when that was the slice's last batch."""
+    ) -> Batch:
+        """The batch :class:`Train` asked for is trained: its ``batch`` frame, carrying the
+        slice's ``metrics`` when that was the slice's last batch."""
         head = self.queue[0]
         self.step += 1
         self.window_steps += 1
         self.local_since_avg += 1
-        batch = Batch(
+        self.sums.add(loss, compute_ms, data_ms, scalars or {})
+        head.pos += self.batch_size
+        metrics = None
+        if head.pos >= head.size:
+            self.queue.popleft()
+            metrics = self._slice_metrics(head.epoch)
+        return Batch(
             rank=self.rank,
             epoch=head.epoch,
             step=self.step,
             batch_ms=compute_ms,
             data_ms=data_ms,
             loss=loss,
+            metrics=metrics,
         )
-        self.sums.add(loss, compute_ms, data_ms, scalars or {})
-        head.pos += self.batch_size
-        if head.pos < head.size:
-            return batch, None
-        self.queue.popleft()
-        return batch, self._slice_metrics(head.epoch)
 
     def _slice_metrics(self, epoch: int) -> Metrics:
         """The ``metrics`` frame of the slice just finished (its sums start over)."""

@@ -9,8 +9,8 @@ the coordinator (docs/design.md §2b). What a frame means, and what to do next, 
   shared permutation (identical on every process: :func:`flodl.sampling.permutation`);
 * each step trains one batch (``train_step`` gives the loss; the framework does backward,
   ``max_grad_norm`` clipping, the optimizer step and the LR from ``scheduler_fn`` driven by the
-  coordinator's global step) and reports a ``batch`` frame (compute ms, data ms, loss); a
-  finished slice reports ``metrics``;
+  coordinator's global step) and reports a ``batch`` frame (compute ms, data ms, loss), which
+  carries the slice's ``metrics`` when it finished one;
 * ``request_params`` (CPU) / ``sync_now`` (collective) make the rank take part in the averaging
   cycle at its next step boundary: ``snapshot_ready`` (Async, collective), the weighted reduce
   (weight ``n^gamma`` for the ``n`` steps since the last cycle), the divergence numbers in
@@ -592,14 +592,10 @@ class RankLoop:
         """Account the step of the batch :meth:`batches` yielded last and report it."""
         t0, t1 = self._timing
         t2 = time.perf_counter()
-        batch, metrics = self.protocol.trained(
-            (t2 - t1) * 1000.0, (t1 - t0) * 1000.0, loss_v, scalars
-        )
+        batch = self.protocol.trained((t2 - t1) * 1000.0, (t1 - t0) * 1000.0, loss_v, scalars)
         assert self.bridge is not None
         self.bridge.set_step(self.step)
-        self._send(batch)
-        if metrics is not None:
-            self._send(metrics)
+        self._send(batch)  # (with the slice's metrics when it finished one)
         if self.chaos is not None:
             self.chaos.on_step(self.step)
 

@@ -527,11 +527,9 @@ class SimCluster:
             return
         r.busy = None
         loss = 1.0 / (1.0 + 0.01 * (r.proto.step + 1))
-        batch, metrics = r.proto.trained(r.last_ms, 0.0, loss)
+        batch = r.proto.trained(r.last_ms, 0.0, loss)
         r.samples += self.config.batch_size
         self._to_coord(batch)
-        if metrics is not None:
-            self._to_coord(metrics)
         self._step(r)
 
     def _callback_done(self, r: _SimRank, epoch: int) -> None:

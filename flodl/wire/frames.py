@@ -231,8 +231,30 @@ class Heartbeat(_Frame):
     step: Count
 
 
+class Metrics(_Frame):
+    """A rank's report for a finished chunk (progressive) or epoch partition (sync).
+
+    ``scalars`` maps a ``record_scalar`` name to ``(sum, count)`` over the chunk.
+    """
+
+    kind: Literal["metrics"] = "metrics"
+    rank: RankId
+    epoch: Count
+    avg_loss: Finite
+    batches_processed: Count
+    samples_processed: Count
+    epoch_ms: Millis
+    share_complete_ms: Millis
+    compute_only_ms: Millis
+    data_starve_ms: Millis = 0.0
+    scalars: dict[Name, tuple[Finite, Count]] = Field(default_factory=dict, max_length=MAX_SCALARS)
+
+
 class Batch(_Frame):
-    """One optimizer step done. ``batch_ms`` is compute only, ``data_ms`` the wait for data."""
+    """One optimizer step done. ``batch_ms`` is compute only, ``data_ms`` the wait for data.
+    ``metrics``: the report of the slice this batch finished, when it was the slice's last
+    (one frame where there were two; a slice cut short by ``revoke_partition`` still reports
+    in a ``metrics`` frame of its own)."""
 
     kind: Literal["batch"] = "batch"
     rank: RankId
@@ -242,6 +264,7 @@ class Batch(_Frame):
     data_ms: Millis = 0.0
     loss: Finite
     param_norm: NonNeg | None = None
+    metrics: Metrics | None = None
 
 
 class SyncAck(_Frame):
@@ -269,25 +292,6 @@ class SnapshotReady(_Frame):
     rank: RankId
     cycle: Count
     step: Count = 0
-
-
-class Metrics(_Frame):
-    """A rank's report for a finished chunk (progressive) or epoch partition (sync).
-
-    ``scalars`` maps a ``record_scalar`` name to ``(sum, count)`` over the chunk.
-    """
-
-    kind: Literal["metrics"] = "metrics"
-    rank: RankId
-    epoch: Count
-    avg_loss: Finite
-    batches_processed: Count
-    samples_processed: Count
-    epoch_ms: Millis
-    share_complete_ms: Millis
-    compute_only_ms: Millis
-    data_starve_ms: Millis = 0.0
-    scalars: dict[Name, tuple[Finite, Count]] = Field(default_factory=dict, max_length=MAX_SCALARS)
 
 
 class LrUpdate(_Frame):

@@ -31,9 +31,9 @@ def train(proto: RankProtocol, batches: int) -> list[Metrics]:
     out = []
     for _ in range(batches):
         assert isinstance(proto.next_action(), Train)
-        _, metrics = proto.trained(10.0, 1.0, 0.5)
-        if metrics is not None:
-            out.append(metrics)
+        batch = proto.trained(10.0, 1.0, 0.5)
+        if batch.metrics is not None:  # the slice's report rides on its last batch
+            out.append(batch.metrics)
     return out
 
 

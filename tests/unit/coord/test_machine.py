@@ -113,6 +113,10 @@ def chunk_metrics(rank: int, epoch: int, n: int) -> Metrics:
     )
 
 
+def with_report(b: Batch, report: Metrics) -> Batch:
+    return Batch(**(b.model_dump() | {"metrics": report}))
+
+
 class Cluster:
     """N fake ranks played synchronously against a real Coordinator, answering like
     ``flodl/sim/cluster.py`` (train → snapshot_ready (Async, collective) → [ReduceDone] →
@@ -123,6 +127,8 @@ class Cluster:
         self.coord = Coordinator(config, random.Random(0))
         w = self.w = config.world_size
         self.cpu = config.elche.backend == "cpu"
+        self.fold_metrics = True
+        """Slice reports ride on the slice's last batch (a rank's way); False: separate frames."""
         self.trace: list[Any] = []  # inputs and effects, in order
         self.inbox: list[deque[Any]] = [deque() for _ in range(w)]
         # [epoch, left, done, end batch] per slice
@@ -197,8 +203,13 @@ class Cluster:
             head = self.work[r][0]
             head[1], head[2], self.step[r] = head[1] - 1, head[2] + 1, self.step[r] + 1
             ms = None if self.batch_ms is None else self.batch_ms[r]
-            self.feed(batch(r, self.step[r], head[0], ms))
-            if head[1] == 0:
+            done = batch(r, self.step[r], head[0], ms)
+            if head[1] > 0:
+                self.feed(done)
+            elif self.fold_metrics:  # the slice's report rides on its last batch, as a rank's
+                self.feed(with_report(done, chunk_metrics(r, head[0], head[2])))
+            else:  # the separate frame (a slice cut short by a revoke reports so)
+                self.feed(done)
                 self.feed(chunk_metrics(r, head[0], head[2]))
         return True
 
@@ -723,7 +734,12 @@ def test_cpu_cadence_cycle_end_to_end() -> None:
     t = c.trace
     assert [(r, f.plan.partition_offset) for r, f in sends(t, StartEpoch)] == [(0, 0), (1, 320)]
     trigger = index(t, lambda e: isinstance(e, OpenReduce) and e.cycle == 1)
-    assert of(t[:trigger], Batch) == [batch(r, s) for s in range(1, 11) for r in (0, 1)]
+    assert of(t[:trigger], Batch) == [
+        batch(r, s) if s < 10 else with_report(batch(r, s), chunk_metrics(r, 0, 10))
+        for s in range(1, 11)
+        for r in (0, 1)
+    ]
+    assert of(t, Metrics) == []  # every slice's report rode on its last batch
     assert t[trigger] == OpenReduce(1, (0, 1))
     assert sends(t[trigger : trigger + 3], RequestParams) == [
         (0, RequestParams(cycle=1)),
@@ -1150,6 +1166,25 @@ def test_batch_beyond_the_granted_chunk_is_a_protocol_violation() -> None:
         assert of(c.feed(batch(0, s)), RankDead) == []
     dead = of(c.feed(batch(0, 11)), RankDead)
     assert len(dead) == 1 and "protocol violation" in dead[0].reason
+
+
+def test_a_batch_carrying_another_ranks_report_is_a_protocol_violation() -> None:
+    c = joined("cpu_cadence", dataset_len=1280)
+    for s in range(1, 10):
+        c.feed(batch(0, s))
+    dead = of(c.feed(with_report(batch(0, 10), chunk_metrics(1, 0, 10))), RankDead)
+    assert len(dead) == 1 and dead[0].rank == 0
+    assert "protocol violation" in dead[0].reason and "rank 1's metrics" in dead[0].reason
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_a_slice_report_counts_once_whether_it_rides_on_the_batch_or_not(fold: bool) -> None:
+    c = joined("cpu_cadence", dataset_len=1280)
+    c.fold_metrics = fold
+    c.run()
+    [done] = of(c.trace, EpochDone)
+    assert done.metrics.per_rank_samples == [640, 640]  # each rank's 20 batches, once
+    assert bool(of(c.trace, Metrics)) is not fold
 
 
 def test_frames_from_dead_or_unknown_ranks_change_nothing() -> None:

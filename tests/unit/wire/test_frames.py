@@ -179,6 +179,18 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
         data_ms=0.75,
         loss=-0.125,
         param_norm=3.5,
+        metrics=Metrics(
+            rank=2,
+            epoch=4,
+            avg_loss=0.25,
+            batches_processed=10,
+            samples_processed=320,
+            epoch_ms=125.0,
+            share_complete_ms=125.0,
+            compute_only_ms=120.0,
+            data_starve_ms=5.0,
+            scalars={"acc": (4.5, 10)},
+        ),
     ),
     "sync_ack": lambda: SyncAck(
         rank=1,
