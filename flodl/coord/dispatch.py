@@ -48,7 +48,7 @@ from flodl.coord.ledger import (
 from flodl.coord.membership import Membership
 from flodl.coord.partition import (
     carve_ranges,
-    chunk_batches_unchecked,
+    chunk_batches,
     final_window_alloc,
     partition_sizes,
     split_among,
@@ -401,7 +401,7 @@ class Dispatch:
                     continue
                 size = 1
             else:
-                size = chunk_batches_unchecked(
+                size = chunk_batches(
                     barrier_paced=barrier,
                     count=count,
                     steps_in_window=steps,
@@ -412,6 +412,7 @@ class Dispatch:
                     calibrated=not self._calibrating,  # cached with the cohort: O(1)
                     world_size=self.config.world_size,
                     total_batches=work.total_batches,
+                    checked=False,  # (every value read from the ledger and the cohort)
                 )
             if size <= 0:
                 continue

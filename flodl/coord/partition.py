@@ -54,7 +54,6 @@ __all__ = [
     "reduce_step_budget",
     "cap_to_reduce_budget",
     "chunk_batches",
-    "chunk_batches_unchecked",
 ]
 
 
@@ -448,6 +447,7 @@ def chunk_batches(
     world_size: int,
     total_batches: int,
     min_chunk_batches: int = 1,
+    checked: bool = True,
 ) -> int:
     """Size of a rank's next progressive chunk, in batches (the original's
     ``compute_chunk_batches``; docs/design.md §5).
@@ -478,6 +478,9 @@ def chunk_batches(
         world_size: number of ranks.
         total_batches: batches of the epoch.
         min_chunk_batches: floor of the Async calibrated chunk.
+        checked: validate the arguments; the dispatcher's hot path passes False, since it reads
+            every one from its own ledger and cohort, where they hold by construction (the
+            simulator checks the ledger after every step).
 
     Returns:
         Batches to take for the rank; 0 to hold.
@@ -485,51 +488,20 @@ def chunk_batches(
     Raises:
         LocalProtocolError: a negative or invalid value.
     """
-    for name, value in (
-        ("steps_in_window", steps_in_window),
-        ("remaining", remaining),
-        ("sum_counts", sum_counts),
-        ("total_batches", total_batches),
-    ):
-        require_non_negative(name, value)
-    require_positive("world_size", world_size)
-    require_positive("min_chunk_batches", min_chunk_batches)
-    if final_slot is not None:
-        require_non_negative("final_slot", final_slot)
-    require_non_negative("count", count)
-    require_non_negative("max_overshoot", max_overshoot)
-    return chunk_batches_unchecked(
-        barrier_paced=barrier_paced,
-        count=count,
-        steps_in_window=steps_in_window,
-        remaining=remaining,
-        sum_counts=sum_counts,
-        final_slot=final_slot,
-        max_overshoot=max_overshoot,
-        calibrated=calibrated,
-        world_size=world_size,
-        total_batches=total_batches,
-        min_chunk_batches=min_chunk_batches,
-    )
-
-
-def chunk_batches_unchecked(
-    *,
-    barrier_paced: bool,
-    count: int,
-    steps_in_window: int,
-    remaining: int,
-    sum_counts: int,
-    final_slot: int | None,
-    max_overshoot: int = 0,
-    calibrated: bool,
-    world_size: int,
-    total_batches: int,
-    min_chunk_batches: int = 1,
-) -> int:
-    """:func:`chunk_batches` without its argument checks, for the dispatcher's hot path: it
-    reads every argument from its own ledger and cohort, where they hold by construction
-    (the simulator checks the ledger after every step)."""
+    if checked:
+        for name, value in (
+            ("steps_in_window", steps_in_window),
+            ("remaining", remaining),
+            ("sum_counts", sum_counts),
+            ("total_batches", total_batches),
+            ("count", count),
+            ("max_overshoot", max_overshoot),
+        ):
+            require_non_negative(name, value)
+        require_positive("world_size", world_size)
+        require_positive("min_chunk_batches", min_chunk_batches)
+        if final_slot is not None:
+            require_non_negative("final_slot", final_slot)
     budget = count if barrier_paced else count + max_overshoot
     if remaining == 0 or steps_in_window >= budget:
         return 0

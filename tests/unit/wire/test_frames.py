@@ -112,6 +112,21 @@ def _epoch_metrics() -> EpochMetrics:
     )
 
 
+def _slice_metrics() -> Metrics:
+    return Metrics(
+        rank=1,
+        epoch=2,
+        avg_loss=0.6875,
+        batches_processed=128,
+        samples_processed=4096,
+        epoch_ms=3_000.5,
+        share_complete_ms=2_900.25,
+        compute_only_ms=2_500.0,
+        data_starve_ms=1.5,
+        scalars={"acc": (12.5, 50), "grad/norm": (3.0, 50), "\u00e9chelle": (-1.5, 3)},
+    )
+
+
 # One valid frame per kind, every optional field set to a non-default value (so a dump that
 # dropped defaults, or a decoder that filled them in, would be caught by the round trip).
 JOB = JobSpec(
@@ -179,18 +194,7 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
         data_ms=0.75,
         loss=-0.125,
         param_norm=3.5,
-        metrics=Metrics(
-            rank=2,
-            epoch=4,
-            avg_loss=0.25,
-            batches_processed=10,
-            samples_processed=320,
-            epoch_ms=125.0,
-            share_complete_ms=125.0,
-            compute_only_ms=120.0,
-            data_starve_ms=5.0,
-            scalars={"acc": (4.5, 10)},
-        ),
+        metrics=_slice_metrics(),
     ),
     "sync_ack": lambda: SyncAck(
         rank=1,
@@ -203,18 +207,7 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
         error="all-reduce timed out \u2014 rank 3 \u2717",
     ),
     "snapshot_ready": lambda: SnapshotReady(rank=5, cycle=8, step=77),
-    "metrics": lambda: Metrics(
-        rank=1,
-        epoch=2,
-        avg_loss=0.6875,
-        batches_processed=128,
-        samples_processed=4096,
-        epoch_ms=3_000.5,
-        share_complete_ms=2_900.25,
-        compute_only_ms=2_500.0,
-        data_starve_ms=1.5,
-        scalars={"acc": (12.5, 50), "grad/norm": (3.0, 50), "\u00e9chelle": (-1.5, 3)},
-    ),
+    "metrics": _slice_metrics,
     "lr_update": lambda: LrUpdate(rank=1, lr=3e-4),
     "intent": lambda: Intent(rank=2, intent="checkpoint_now"),
     "eval_result": lambda: EvalResult(
