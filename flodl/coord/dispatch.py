@@ -136,8 +136,6 @@ class Dispatch:
         self._calibrating = False
         """ElChe has no measurement nor hint yet (cached with the cohort)."""
         self._extends = self._barrier and self.progressive and self.traits.chunk_is_window
-        self._chunked = self.traits.chunk_is_window and self.progressive
-        """One chunk is one window: a rank's window is done when its chunk is."""
         self._ext_cycle = -1
         self._ext_holding: set[int] = set()
         """Ranks holding a calibration extension in the window after cycle ``_ext_cycle``."""
@@ -193,11 +191,7 @@ class Dispatch:
 
     def snapshot(self, rank: int) -> dict[int, int]:
         """``rank``'s done count per open epoch (what a cycle it enters will commit)."""
-        works = self.works
-        if len(works) == 1:  # the common case, asked once per rank per cycle
-            for e, w in works.items():
-                return {e: w.done(rank)}
-        return {e: w.done(rank) for e, w in works.items()}
+        return {e: w.done(rank) for e, w in self.works.items()}
 
     def epochs_done(self) -> bool:
         """No epoch is open and every epoch of the run was opened."""
@@ -240,11 +234,9 @@ class Dispatch:
         if not live:
             self.gate.set(rank, live=False, sat=False, moved=False)
             return
-        self._set_flags(rank, self.windows[rank].window.steps, self.in_flight(rank) == 0)
-
-    def _set_flags(self, rank: int, steps: int, quiesced: bool) -> None:
-        """A live rank's count-gate flags from its window's steps and whether it holds work."""
-        if self._chunked:
+        steps = self.windows[rank].window.steps
+        quiesced = self.in_flight(rank) == 0
+        if self.traits.chunk_is_window and self.progressive:
             # One chunk = one window (possibly a final-window slot above the count): the
             # window is done when the chunk is, never in the middle of it.
             sat = quiesced
@@ -256,9 +248,8 @@ class Dispatch:
     def refresh_all(self) -> None:
         self._gate_stale = False
         self.gate.reset(self.membership.alive_count())
-        windows, in_flight, set_flags = self.windows, self.in_flight, self._set_flags
         for r in self.membership.alive():
-            set_flags(r, windows[r].window.steps, in_flight(r) == 0)
+            self.refresh(r)
 
     def gate_open(self) -> bool:
         """Whether the count gate says a cycle may start."""
@@ -364,7 +355,6 @@ class Dispatch:
         windows = self.windows
         overshoot = self.max_overshoot if self.traits.overshoot else 0
         counts, _, sum_counts = self.cohort()
-        bs = self._bs
         work: EpochWork | None = None
         for rank in ranks:
             if not trains(rank):
@@ -376,7 +366,7 @@ class Dispatch:
             # rank would pile up a chunk per finalize and the overshoot bound would not hold.
             steps = windows[rank].window.steps + held
             count = counts[rank]
-            rank_sum = sum_counts
+            rank_sum = sum_counts  # (this rank's, even if it opens an epoch below)
             extension = False
             if steps >= count + overshoot:
                 if not self._may_extend(rank):
@@ -421,15 +411,12 @@ class Dispatch:
                 continue
             if extension:
                 self._ext_holding.add(rank)
-            if not self._gate_stale:  # (else the rebuild on the gate's next read sets them)
-                self._set_flags(rank, windows[rank].window.steps, False)  # it holds work now
+            self.refresh(rank)
             if final_slot is not None:
                 slots = self.final_plans[work.epoch][1]
                 if slots is not None:
                     slots[rank] = max(0, slots[rank] - rng.size)
-            plans[rank] = EpochPlan(
-                epoch=work.epoch, partition_offset=rng.start * bs, partition_size=rng.size * bs
-            )
+            plans[rank] = self.plan(work.epoch, rng)
         return plans
 
     def _may_extend(self, rank: int) -> bool:

@@ -107,20 +107,9 @@ def _insert_disjoint(ranges: list[BatchRange], rng: BatchRange) -> None:
     Raises:
         CoverageError: ``rng`` overlaps a range already held (a batch would be held twice).
     """
-    start, stop = rng.start, rng.stop
-    if stop == start:
+    if rng.size == 0:
         return
-    if not ranges:
-        ranges.append(rng)
-        return
-    last = ranges[-1]
-    if last.stop <= start:  # past every held range: the common case (work is taken in order)
-        if last.stop == start:
-            ranges[-1] = BatchRange(last.start, stop)
-        else:
-            ranges.append(rng)
-        return
-    i = bisect.bisect_left(ranges, start, key=_start)
+    i = bisect.bisect_left(ranges, rng.start, key=_start)
     left = ranges[i - 1] if i > 0 else None
     right = ranges[i] if i < len(ranges) else None
     if (left is not None and left.stop > rng.start) or (
@@ -388,11 +377,8 @@ class EpochWork:
             stop = start + max_batches
             rng = BatchRange(start, stop)
             pool[0] = BatchRange(stop, head.stop)
-        n = stop - start
-        self._pool_count -= n
-        ledger.queue.append(rng)
-        ledger.queued += n
-        ledger.last_grant = rng
+        self._pool_count -= stop - start
+        self._grant(ledger, rng)
         return rng
 
     def assign(self, rank: int, rng: BatchRange) -> None:

@@ -264,10 +264,6 @@ class Membership:
     def seen(self, rank: int, now: float) -> None:
         self.liveness.seen(rank, now)
 
-    def touch(self, rank: int, now: float) -> bool:
-        """A frame from ``rank`` at ``now``: whether it is a live rank's (then seen)."""
-        return self.liveness.touch(rank, now)
-
     def mark_exited(self, rank: int) -> bool:
         """A rank finished cleanly; False when it was not alive."""
         self.awaiting.discard(rank)

@@ -494,15 +494,13 @@ def chunk_batches(
             ("remaining", remaining),
             ("sum_counts", sum_counts),
             ("total_batches", total_batches),
-            ("count", count),
-            ("max_overshoot", max_overshoot),
         ):
             require_non_negative(name, value)
         require_positive("world_size", world_size)
         require_positive("min_chunk_batches", min_chunk_batches)
         if final_slot is not None:
             require_non_negative("final_slot", final_slot)
-    budget = count if barrier_paced else count + max_overshoot
+    budget = reduce_step_budget(count, max_overshoot, barrier_paced=barrier_paced)
     if remaining == 0 or steps_in_window >= budget:
         return 0
     if final_slot is not None:

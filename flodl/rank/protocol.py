@@ -12,7 +12,7 @@ production rank reacts to every frame.
 * :meth:`RankProtocol.next_action` says what to do at a step boundary: :class:`Broadcast` (the
   initial state exchange), :class:`Reduce` (enter a cycle), :class:`Train` (the next batch of
   the oldest slice), :class:`Wait` (block for a frame) or :class:`Stop`;
-* the executor reports back: :meth:`~RankProtocol.trained` (the ``batch`` frame, and
+* the executor reports back: :meth:`~RankProtocol.trained` (the ``batch`` frame, carrying
   ``metrics`` when a slice ends), :meth:`~RankProtocol.begin_reduce` /
   :meth:`~RankProtocol.end_reduce` (``snapshot_ready`` — not in the modes that wait for the
   update —, ``sync_ack``),

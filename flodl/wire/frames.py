@@ -98,8 +98,10 @@ __all__ = [
 
 PROTOCOL_VERSION = 8
 """Version of the control protocol, in every ``hello`` and in the server's challenge; bumped on
-any incompatible change of a frame, of the codec or of the handshake. 6: ``hello.gpu`` (the
-physical GPU behind a CUDA rank's device) and ``resource_sample.device`` / ``gpu_name``;
+any incompatible change of a frame, of the codec or of the handshake. 8: ``update.global_step``
+(the CPU modes' ``set_global_step``, folded in) and ``batch.metrics`` (a slice's report on its
+last batch); 7: no ``snapshot_ready`` from the ranks of CPU Sync and Cadence; 6: ``hello.gpu``
+(the physical GPU behind a CUDA rank's device) and ``resource_sample.device`` / ``gpu_name``;
 5: ``hello.job`` (the ranks bring the job description); 4: ``revoke_partition`` /
 ``partition_revoked`` (a whole-epoch partition re-split for a rank that joins mid-epoch) and
 ``sync_now.heal`` (the outer optimizer's state copied to a rejoined rank); 3: a
