@@ -367,11 +367,9 @@ class Dispatch:
             steps = windows[rank].window.steps + held
             count = counts[rank]
             rank_sum = sum_counts  # (this rank's, even if it opens an epoch below)
-            extension = False
-            if steps >= count + overshoot:
-                if not self._may_extend(rank):
-                    continue
-                extension = True
+            extension = steps >= count + overshoot
+            if extension and not self._may_extend(rank):
+                continue
             if work is None or work.remaining() == 0:
                 work = self.first_unassigned()
             if work is None:
@@ -418,6 +416,17 @@ class Dispatch:
                     slots[rank] = max(0, slots[rank] - rng.size)
             plans[rank] = self.plan(work.epoch, rng)
         return plans
+
+    def window_spent(self, rank: int) -> bool:
+        """Whether the pacing rules hand ``rank``, which holds no work, nothing before the next
+        finalize: its window's budget is spent (``steps ≥ count + overshoot``, the rule
+        :meth:`take_chunks` applies) and no calibration fill applies. O(1): a rank that just
+        trained its chunk's last batch asks this first (docs/design.md §2, "Coordinator cost":
+        in the barrier-paced modes that is every rank once per cycle, and the answer is
+        almost always yes)."""
+        overshoot = self.max_overshoot if self.traits.overshoot else 0
+        spent = self.windows[rank].window.steps >= self.cohort()[0][rank] + overshoot
+        return spent and not self._may_extend(rank)
 
     def _may_extend(self, rank: int) -> bool:
         """Whether ``rank``, done with its window's chunk, may train one more batch of it: the

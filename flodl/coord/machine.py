@@ -690,10 +690,15 @@ class Coordinator:
         self.averaging.on_batch(batch)
         self.reporting.on_batch(batch, self.dispatch.works.get(batch.epoch), now, self.elche, out)
         self.averaging.throttle_leaders(out)
-        training = self.phase is RunPhase.TRAINING
-        if training and self.progressive and self.dispatch.in_flight(rank) == 0:
-            self.dispatch.dispatch(rank, now, out)
-        self.dispatch.refresh(rank)
+        dispatch = self.dispatch
+        if (
+            self.phase is RunPhase.TRAINING
+            and self.progressive
+            and dispatch.in_flight(rank) == 0
+            and not dispatch.window_spent(rank)
+        ):
+            dispatch.dispatch(rank, now, out)
+        dispatch.refresh(rank)
         self._maybe_trigger(now, out)
 
     # =========================================================================================
