@@ -194,6 +194,7 @@ async def _serve(args: argparse.Namespace, terms: JobTerms, secret: bytes) -> in
             data_port=args.data_port,
             sink=sink,
             on_defined=sink.defined,
+            freeze_heap=True,  # this process is the coordinator's alone
         )
         sink.service = service
         port = await service.start()

@@ -42,6 +42,9 @@ class CoordinatorService:
         outer: the outer optimizer, applied here in CPU modes (ranks apply it in collective
             modes); ``outer_state`` restores its momentum.
         on_defined: called with the job once the first hello defined it (with ``JobTerms``).
+        freeze_heap: freeze the process's heap while the run trains
+            (:class:`~flodl.service.heap.HeapFreeze`): for a process that is the
+            coordinator's alone (``flodl coord``), never a launcher in the user's interpreter.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class CoordinatorService:
         outer: OuterConfig | None = None,
         outer_state: dict[str, list[torch.Tensor]] | None = None,
         on_defined: Callable[[DefinedJob], None] | None = None,
+        freeze_heap: bool = False,
     ) -> None:
         self.secret = secret
         self.host = host
@@ -78,6 +82,7 @@ class CoordinatorService:
         self._resume = resume
         self._outer = outer
         self._outer_state = outer_state
+        self._freeze_heap = freeze_heap
 
     @property
     def machine(self) -> Coordinator:
@@ -96,6 +101,7 @@ class CoordinatorService:
                 port=self.port,
                 sink=self.sink,
                 define=self._define,
+                freeze_heap=self._freeze_heap,
             )
         else:
             built = self._build(self.config, self._resume, self._outer, self._outer_state)
@@ -108,6 +114,7 @@ class CoordinatorService:
                 reduce=built.reduce,
                 data_port=built.data_port,
                 store_port=built.store_port,
+                freeze_heap=self._freeze_heap,
             )
         port = await self.server.start()
         self.port = port

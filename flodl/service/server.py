@@ -65,6 +65,7 @@ from flodl.coord.effects import (
 from flodl.coord.inputs import ChildExited, Input, PeerLost, ReduceDone
 from flodl.coord.machine import Coordinator
 from flodl.errors import FrameError
+from flodl.service.heap import HeapFreeze
 from flodl.service.refusals import Refusals
 from flodl.wire.codec import MAX_CONTROL_FRAME_BYTES, AnyFrame
 from flodl.wire.control_hello import NONCE_BYTES, connection_key, encode_challenge, new_nonce
@@ -187,6 +188,9 @@ class CoordinatorServer:
         data_port: the CPU reduce server's port, announced in every ``accept``.
         store_port: the torch.distributed store's port, announced in every ``accept``.
         define: builds the machine from the first hello (with ``machine=None``).
+        freeze_heap: freeze the process's heap once the run trains, until it ends
+            (:class:`~flodl.service.heap.HeapFreeze`; only for a process that is the
+            coordinator's alone, as ``flodl coord``'s).
     """
 
     def __init__(
@@ -203,6 +207,7 @@ class CoordinatorServer:
         data_port: int | None = None,
         store_port: int | None = None,
         define: Define | None = None,
+        freeze_heap: bool = False,
     ) -> None:
         if machine is None and define is None:
             raise ValueError("a server without a machine needs a define hook")
@@ -228,6 +233,7 @@ class CoordinatorServer:
         self._done: asyncio.Future[RunOver] | None = None
         self._broken: str | None = None
         """Set once the machine raised (our own bug): the run is over."""
+        self._heap = HeapFreeze() if freeze_heap else None
         self.port = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -265,7 +271,10 @@ class CoordinatorServer:
         return await asyncio.shield(self._done)
 
     async def close(self) -> None:
-        """Stop accepting, close every connection, cancel every task (idempotent)."""
+        """Stop accepting, close every connection, cancel every task, give the heap back to
+        the collector (idempotent)."""
+        if self._heap is not None:
+            self._heap.release()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -480,6 +489,9 @@ class CoordinatorServer:
                 self._internal_error(exc, f"handling {event.kind!r}")
                 return
             self._apply(effects)
+            heap = self._heap
+            if heap is not None and not heap.frozen:
+                heap.on_phase(self._machine.phase)
         finally:
             self._current = previous
 

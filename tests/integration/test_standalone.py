@@ -90,11 +90,14 @@ def reap(procs: Sequence[subprocess.Popen[Any]]) -> None:
         p.communicate(timeout=30)
 
 
-def wait_for_training(coord: subprocess.Popen[str]) -> None:
-    """Read the (verbose) coordinator's log until its first epoch closes."""
+def wait_for_training(coord: subprocess.Popen[str]) -> list[str]:
+    """Read the (verbose) coordinator's log until its first epoch closes; the lines read."""
     assert coord.stderr is not None
+    lines: list[str] = []
     while "epoch 0:" not in (line := coord.stderr.readline()):
         assert line, "the coordinator ended before its first epoch"
+        lines.append(line)
+    return lines
 
 
 def stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
@@ -422,7 +425,9 @@ def test_ranks_obey_the_standalone_coordinators_timeouts(
 def test_a_stopped_standalone_run_says_so_and_how_to_resume(tmp_path: Path) -> None:
     """A lone collective survivor stops the run (ShutdownWithSave ``single_survivor``): the
     coordinator exits 1 with one line naming the reason and the command that resumes from the
-    stop's bundle; the survivor's ``join()`` raises TrainingStopped with the Trainer's call."""
+    stop's bundle; the survivor's ``join()`` raises TrainingStopped with the Trainer's call.
+    The coordinator's process froze its heap once the run trained and gave it back at the
+    end (docs/design.md §2, "Coordinator cost")."""
     stem = str(tmp_path / "ck")
     coord, address = start_coord(
         tmp_path,
@@ -438,7 +443,7 @@ def test_a_stopped_standalone_run_says_so_and_how_to_resume(tmp_path: Path) -> N
             procs.append(
                 subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
             )
-        wait_for_training(coord)
+        before = wait_for_training(coord)
         procs[1].kill()
         assert procs[0].wait(timeout=120) == 1
         _, survivor = procs[0].communicate(timeout=30)
@@ -447,6 +452,8 @@ def test_a_stopped_standalone_run_says_so_and_how_to_resume(tmp_path: Path) -> N
     finally:
         reap(procs)
         stop(coord)
+    assert [ln for ln in before if "heap frozen for the run (" in ln], before
+    assert "heap unfrozen: the run is over" in err, err[-3000:]
     lines = [ln for ln in err.splitlines() if ln.startswith("flodl coord: ")]
     assert len(lines) == 1, err[-3000:]
     assert lines[0].startswith("flodl coord: training stopped (single_survivor): ")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import random
 import socket
@@ -841,6 +842,27 @@ async def test_close_closes_every_connection_and_task_and_is_idempotent() -> Non
         assert asyncio.all_tasks() == {asyncio.current_task()}
         with pytest.raises(OSError):
             await asyncio.open_connection("127.0.0.1", port)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("freeze", [False, True])
+async def test_the_heap_is_frozen_while_the_run_trains_only_when_asked(freeze: bool) -> None:
+    """``freeze_heap`` (``flodl coord``'s): once formation makes the machine train, the
+    process's heap is frozen (the collector's full passes skip it); closing the server gives it
+    back. Without it (a launcher-hosted coordinator, in the user's interpreter) the collector
+    is left alone."""
+    assert gc.get_freeze_count() == 0, "another test left the heap frozen"
+    try:
+        async with serving(freeze_heap=freeze) as h:
+            r0, _ = await h.join(0)
+            assert gc.get_freeze_count() == 0  # still forming
+            await h.join(1)
+            await r0.read_until(StartEpoch)  # the second hello was handled: training
+            assert (gc.get_freeze_count() > 0) is freeze
+            await asyncio.wait_for(h.server.close(), WAIT_S)
+            assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
 
 
 @pytest.mark.timeout(30)

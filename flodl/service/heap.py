@@ -1,0 +1,58 @@
+"""The standalone coordinator's heap policy: what a run keeps for its whole length is frozen.
+
+Python's cyclic garbage collector runs a full pass whenever enough objects survived younger
+passes, and a full pass visits every tracked object in the process. In a coordinator of
+thousands of ranks most of the heap is what the run built once and keeps to its end (the
+machine's per-rank state, the connections), so each full pass rescans it: tens of ms at 4,096
+ranks, spent on the event loop and charged to whichever frame tripped the threshold.
+
+:class:`HeapFreeze` collects once and ``gc.freeze()``-s the heap when the machine first trains
+(formation is over: every rank's state and connection exists), so later passes scan only what
+the run created since; it ``gc.unfreeze()``-s when the run ends, so that a later run in the
+same process (``flodl coord`` restarts a stopped run) can free the first one's cycles.
+
+It is a policy of the whole process, so only ``flodl coord`` applies it, never a coordinator
+hosted by a launcher inside the user's interpreter (docs/design.md §2, "Coordinator cost").
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+from flodl.coord.phases import RunPhase
+
+__all__ = ["HeapFreeze"]
+
+logger = logging.getLogger(__name__)
+
+
+class HeapFreeze:
+    """Freeze the process's heap once the run trains; unfreeze it when the run ends."""
+
+    __slots__ = ("frozen",)
+
+    def __init__(self) -> None:
+        self.frozen = False
+        """Whether this run froze the heap and has not released it yet."""
+
+    def on_phase(self, phase: RunPhase) -> None:
+        """The machine is in ``phase`` after an input: freeze the heap the first time it
+        trains (one full collection first, so no garbage is kept frozen)."""
+        if self.frozen or phase is not RunPhase.TRAINING:
+            return
+        gc.collect()
+        gc.freeze()
+        self.frozen = True
+        logger.info(
+            "heap frozen for the run (%d objects): the collector's full passes skip it",
+            gc.get_freeze_count(),
+        )
+
+    def release(self) -> None:
+        """The run is over: what it froze goes back to the collector."""
+        if not self.frozen:
+            return
+        gc.unfreeze()
+        self.frozen = False
+        logger.info("heap unfrozen: the run is over")
