@@ -124,6 +124,7 @@ def measure(world: int, cycles: int) -> dict[str, Any]:
     wall0 = time.perf_counter()
     try:
         trace = sim.run()
+        frozen = gc.get_freeze_count()
     finally:
         gc.callbacks.remove(on_gc)
         heap.release()
@@ -170,6 +171,7 @@ def measure(world: int, cycles: int) -> dict[str, Any]:
         "closing_ms": closing_ms,
         "sim_rank_seconds_per_wall_s": world * trace.wall_s / wall,
         "wall_s": wall,
+        "frozen_objects": frozen,
     }
 
 
@@ -214,6 +216,15 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _frozen_text(rows: list[dict[str, Any]]) -> str:
+    """How many objects the heap policy froze, at the largest world size measured."""
+    top = max(rows, key=lambda r: r["world"])
+    frozen = top.get("frozen_objects")
+    if frozen is None:  # a result file from before the policy
+        return "not applied in this run"
+    return f"{frozen:,} objects at {top['world']:,} ranks"
+
+
 def markdown(data: dict[str, Any]) -> str:
     """The docs/benchmarks.md section for a result file (every figure from it)."""
     v = data["verdicts"]
@@ -238,9 +249,12 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         (
             "`of which GC µs` is the part of `cycle µs` spent in Python's cyclic garbage "
-            "collector (`gc.callbacks`), whose passes scan the whole process heap, the "
-            "simulated ranks' objects included: in a coordinator process of its own the heap "
-            "is the coordinator's alone."
+            "collector (`gc.callbacks`), whose passes scan the process heap, the simulated "
+            "ranks' objects included. The heap policy is `flodl coord`'s "
+            "(`flodl.service.heap.HeapFreeze`): one collection and `gc.freeze()` after the "
+            "input that starts training (in `one-off ms`), so later passes skip what existed "
+            f"then ({_frozen_text(data['rows'])}); a coordinator hosted by a launcher, in the "
+            "user's interpreter, leaves the collector alone."
         ),
         "",
         (

@@ -390,6 +390,17 @@ def test_replay_summary_verdicts_and_suite_extractor(bench: Any) -> None:
         m._replay({"target_time_error": 0.15, "summary": {"modes": []}})
 
 
+def result_head(command: str) -> dict[str, Any]:
+    """What every result file opens with: the command, the date, the load, the machine."""
+    return {
+        "command": command,
+        "date": "2026-12-03 12:00 UTC",
+        "uptime_before": "a",
+        "uptime_after": "b",
+        "machine": {"cpus": 2, "python": "3.11"},
+    }
+
+
 def test_coord_verdicts_and_markdown(bench: Any) -> None:
     c = bench("bench_coord")
     rows = [
@@ -402,17 +413,12 @@ def test_coord_verdicts_and_markdown(bench: Any) -> None:
     assert v["met_cycle"] is False and v["cycle_ms_4096"] == pytest.approx(120.0)
     assert v["per_rank_growth_64_to_4096"] == pytest.approx((120_000 / 4096) / (1_500 / 64))
     assert v["met_linear"] is True
-    text = c.markdown(
-        {
-            "command": "python benchmarks/bench_coord.py --quick",
-            "date": "2026-12-03 12:00 UTC",
-            "uptime_before": "a",
-            "uptime_after": "b",
-            "machine": {"cpus": 2, "python": "3.11"},
-            "rows": rows,
-            "verdicts": v,
-        }
-    )
+    data = result_head("python benchmarks/bench_coord.py --quick") | {"rows": rows, "verdicts": v}
+    assert "gc.freeze()` after the input that starts training" in c.markdown(data)
+    assert "(not applied in this run)" in c.markdown(data)  # a file from before the policy
+    rows[-1]["frozen_objects"] = 81_392
+    text = c.markdown(data)
+    assert "(81,392 objects at 4,096 ranks)" in text  # the heap policy, from the result file
     assert "| 4,096 | 24 | 120,000 | 30,000 | 29.3 |" in text  # a quarter of it the collector's
     assert "| 1.0 | 1024.0 | 2 | 700 |" in text  # the closing cycle, apart from the steady ones
     assert "4096-rank cycle under 50 ms: 120.0 ms, **not met**" in text
@@ -453,12 +459,7 @@ def test_startup_summary_is_the_median_against_torchrun(bench: Any) -> None:
 def test_wire_markdown_states_every_verdict_from_the_figures(bench: Any) -> None:
     w = bench("bench_wire")
     frame = {"wire_bytes": 52, "encode_us": 2.0, "decode_us": 3.0, "codec_round_trip_us": 5.0}
-    data = {
-        "command": "python benchmarks/bench_wire.py",
-        "date": "2026-12-03 12:00 UTC",
-        "uptime_before": "a",
-        "uptime_after": "b",
-        "machine": {"cpus": 2, "python": "3.11"},
+    data = result_head("python benchmarks/bench_wire.py") | {
         "versions": {"msgpack": "1", "pydantic": "2", "uvloop": "0.2"},
         "codec": {
             "inner": 10,
