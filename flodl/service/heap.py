@@ -9,7 +9,9 @@ ranks, spent on the event loop and charged to whichever frame tripped the thresh
 :class:`HeapFreeze` collects once and ``gc.freeze()``-s the heap when the machine first trains
 (formation is over: every rank's state and connection exists), so later passes scan only what
 the run created since; it ``gc.unfreeze()``-s when the run ends, so that a later run in the
-same process (``flodl coord`` restarts a stopped run) can free the first one's cycles.
+same process (``flodl coord`` restarts a stopped run) can free the first one's cycles. What
+was frozen and later dropped inside a reference cycle (a dead rank's first connection) is
+freed then, not before: bounded by what existed at the freeze, never growing with the run.
 
 It is a policy of the whole process, so only ``flodl coord`` applies it, never a coordinator
 hosted by a launcher inside the user's interpreter (docs/design.md §2, "Coordinator cost").
