@@ -3,7 +3,9 @@
     python -m benchmarks [--quick] [--only NAME,...] [--skip NAME,...]
 
 Each ``benchmarks/bench_*.py`` runs in its own subprocess (``python benchmarks/<name>.py``,
-with the suite's size arguments and ``--json benchmarks/results/<name>.json``), one after the
+with the suite's size arguments and ``--json benchmarks/results/suite/<name>.json``: a folder of
+its own, so that a smoke-size run never replaces the result file of a script's own full run,
+from which docs/benchmarks.md renders that script's section), one after the
 other, under a per-script time limit that keeps the whole suite under 21.5 minutes
 (``--quick``: a smoke run of a few minutes). The summary reads each script's JSON; a script
 that is missing, fails, times out or writes JSON of an unexpected shape gets a row that says
@@ -31,6 +33,8 @@ from _common import machine_info, run_in_group, section_head, uptime  # noqa: E4
 
 REPO = HERE.parent
 RESULTS = HERE / "results"
+SUITE_RESULTS = RESULTS / "suite"
+"""Where the suite's runs write their JSON and logs (a script's own run writes to RESULTS)."""
 SUITE_LIMIT_S = 21.5 * 60
 
 Headline = dict[str, Any]
@@ -394,7 +398,7 @@ def run_script(name: str, quick: bool, deadline: float) -> dict[str, Any]:
     """Run one script; returns status, seconds and its headline rows."""
     spec = SPECS.get(name)
     path = HERE / f"{name}.py"
-    out_json = RESULTS / f"{name}.json"
+    out_json = SUITE_RESULTS / f"{name}.json"
     argv = [sys.executable, str(path)]
     limit = 600.0
     if spec is not None:
@@ -407,8 +411,8 @@ def run_script(name: str, quick: bool, deadline: float) -> dict[str, Any]:
         return {"name": name, "status": "missing", "seconds": 0.0, "rows": []}
     if out_json.exists() and spec is not None:
         out_json.unlink()  # never summarize a stale file
-    log = RESULTS / f"{name}.log"
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    log = SUITE_RESULTS / f"{name}.log"
+    SUITE_RESULTS.mkdir(parents=True, exist_ok=True)
     print(f"\n=== {name}: {' '.join(argv[2:])} (limit {limit:.0f} s)", flush=True)
     t0 = time.perf_counter()
     with log.open("wb") as sink:

@@ -3,6 +3,8 @@ summary extractors. Nothing here trains, spawns or times anything."""
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -318,6 +320,35 @@ def test_elastic_torchft_milestones_and_arguments(bench: Any) -> None:
     )
     assert rows[0]["met"] is True and rows[0]["t_fold_s"]["n"] == 1
     assert rows[0]["dispatch"] == "epoch partitions" and rows[0]["errors"] == ["boom"]
+
+
+def test_the_suite_writes_its_results_apart_from_a_scripts_own_run(
+    bench: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A suite run (smoke sizes) writes its JSON under results/suite/: the file of a script's
+    own full run, from which docs/benchmarks.md renders that script's section, is untouched."""
+    m = bench("benchmarks.__main__")
+    here = tmp_path / "benchmarks"
+    here.mkdir()
+    (here / "bench_fake.py").write_text(
+        "import json, sys\n"
+        "path = sys.argv[sys.argv.index('--json') + 1]\n"
+        "open(path, 'w').write(json.dumps({'value': 2.5}))\n"
+    )
+    results = here / "results"
+    results.mkdir()
+    full = results / "bench_fake.json"
+    full.write_text('{"value": 1.0}')  # the script's own (full) run
+    for name, value in (("HERE", here), ("REPO", tmp_path), ("RESULTS", results)):
+        monkeypatch.setattr(m, name, value)
+    monkeypatch.setattr(m, "SUITE_RESULTS", results / "suite")
+    headline = lambda d: [m._row("fake", str(d["value"]))]  # noqa: E731
+    monkeypatch.setitem(m.SPECS, "bench_fake", m.Spec([], [], 30, headline))
+    out = m.run_script("bench_fake", True, time.perf_counter() + 60)
+    assert out["status"] == "ok" and out["rows"][0]["value"] == "2.5", out
+    assert json.loads(full.read_text()) == {"value": 1.0}
+    assert json.loads((results / "suite" / "bench_fake.json").read_text()) == {"value": 2.5}
+    assert (results / "suite" / "bench_fake.log").exists()
 
 
 def test_suite_elastic_extractor(bench: Any) -> None:
