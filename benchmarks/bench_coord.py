@@ -94,7 +94,7 @@ def measure(world: int, cycles: int) -> dict[str, Any]:
     def timed_handle(event: Any, now: float) -> Any:
         g0, t0 = collector["total"], time.perf_counter()
         out = handle(event, now)
-        if not heap.frozen:  # (the server checks after every input, as here)
+        if heap.pending:  # (the server checks after every input, as here)
             heap.on_phase(coord.phase)
         # a batch that finished a slice carries its metrics (one frame where there were two)
         key = (

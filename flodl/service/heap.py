@@ -30,18 +30,27 @@ logger = logging.getLogger(__name__)
 
 
 class HeapFreeze:
-    """Freeze the process's heap once the run trains; unfreeze it when the run ends."""
+    """Freeze the process's heap once the run trains; unfreeze it when the run ends. Once
+    released it never freezes again: an input that still reaches a closed server (a reduce
+    round's report, queued from another thread) must not freeze a heap nobody will release."""
 
-    __slots__ = ("frozen",)
+    __slots__ = ("frozen", "released")
 
     def __init__(self) -> None:
         self.frozen = False
         """Whether this run froze the heap and has not released it yet."""
+        self.released = False
+        """Whether the run is over (:meth:`release` was called, frozen or not)."""
+
+    @property
+    def pending(self) -> bool:
+        """Whether a training phase would still freeze the heap."""
+        return not (self.frozen or self.released)
 
     def on_phase(self, phase: RunPhase) -> None:
         """The machine is in ``phase`` after an input: freeze the heap the first time it
         trains (one full collection first, so no garbage is kept frozen)."""
-        if self.frozen or phase is not RunPhase.TRAINING:
+        if not self.pending or phase is not RunPhase.TRAINING:
             return
         gc.collect()
         gc.freeze()
@@ -52,7 +61,8 @@ class HeapFreeze:
         )
 
     def release(self) -> None:
-        """The run is over: what it froze goes back to the collector."""
+        """The run is over: what it froze goes back to the collector (idempotent)."""
+        self.released = True
         if not self.frozen:
             return
         gc.unfreeze()

@@ -490,7 +490,7 @@ class CoordinatorServer:
                 return
             self._apply(effects)
             heap = self._heap
-            if heap is not None and not heap.frozen:
+            if heap is not None and heap.pending:
                 heap.on_phase(self._machine.phase)
         finally:
             self._current = previous

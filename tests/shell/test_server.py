@@ -40,7 +40,9 @@ from flodl.coord.effects import (
 )
 from flodl.coord.liveness import RankState
 from flodl.coord.machine import Coordinator
+from flodl.coord.phases import RunPhase
 from flodl.errors import FrameError, LocalProtocolError
+from flodl.service.heap import HeapFreeze
 from flodl.service.server import CoordinatorServer
 from flodl.timeouts import HEARTBEAT_INTERVAL_S, Timeouts
 from flodl.wire.codec import AnyFrame, auth_tag, encode_frame
@@ -861,6 +863,28 @@ async def test_the_heap_is_frozen_while_the_run_trains_only_when_asked(freeze: b
             assert (gc.get_freeze_count() > 0) is freeze
             await asyncio.wait_for(h.server.close(), WAIT_S)
             assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
+
+
+def test_a_released_heap_policy_never_freezes_again() -> None:
+    """An input that reaches a closed server (a reduce round's report queued from another
+    thread) must not freeze the heap again: nobody would unfreeze it."""
+    assert gc.get_freeze_count() == 0, "another test left the heap frozen"
+    try:
+        early = HeapFreeze()
+        early.release()  # closed before it trained
+        early.on_phase(RunPhase.TRAINING)
+        assert gc.get_freeze_count() == 0 and not early.frozen
+        heap = HeapFreeze()
+        heap.on_phase(RunPhase.FORMING)
+        assert gc.get_freeze_count() == 0 and heap.pending
+        heap.on_phase(RunPhase.TRAINING)
+        assert gc.get_freeze_count() > 0 and heap.frozen and not heap.pending
+        heap.release()
+        heap.release()  # idempotent
+        heap.on_phase(RunPhase.TRAINING)
+        assert gc.get_freeze_count() == 0 and not heap.frozen and not heap.pending
     finally:
         gc.unfreeze()
 
