@@ -159,6 +159,12 @@ class Dispatch:
         """The mode hands a rank no work while it holds some or a cycle is pending."""
         return self._barrier
 
+    @property
+    def overshoot(self) -> int:
+        """Steps a rank may take past its count in a window: ``max_overshoot`` where the mode
+        allows overshoot (Async), else 0; the window budget is ``count + overshoot``."""
+        return self.max_overshoot if self.traits.overshoot else 0
+
     def in_flight(self, rank: int) -> int:
         """Batches handed to ``rank`` and not yet trained, over every open epoch."""
         works = self.works
@@ -353,7 +359,7 @@ class Dispatch:
             return plans
         trains = self.membership.trains
         windows = self.windows
-        overshoot = self.max_overshoot if self.traits.overshoot else 0
+        overshoot = self.overshoot
         counts, _, sum_counts = self.cohort()
         work: EpochWork | None = None
         for rank in ranks:
@@ -424,8 +430,7 @@ class Dispatch:
         trained its chunk's last batch asks this first (docs/design.md §2, "Coordinator cost":
         in the barrier-paced modes that is every rank once per cycle, and the answer is
         almost always yes)."""
-        overshoot = self.max_overshoot if self.traits.overshoot else 0
-        spent = self.windows[rank].window.steps >= self.cohort()[0][rank] + overshoot
+        spent = self.windows[rank].window.steps >= self.cohort()[0][rank] + self.overshoot
         return spent and not self._may_extend(rank)
 
     def _may_extend(self, rank: int) -> bool:

@@ -101,6 +101,22 @@ def range_total(ranges: Iterable[BatchRange]) -> int:
     return sum(r.size for r in ranges)
 
 
+def _joins(
+    left_stop: int | None, right_start: int | None, start: int, stop: int
+) -> tuple[bool, bool]:
+    """Whether ``[start, stop)``, placed between the held range that ends at ``left_stop`` and
+    the one that starts at ``right_start`` (None: no such neighbour), merges with each.
+
+    Raises:
+        CoverageError: it overlaps either (a batch would be held twice).
+    """
+    if (left_stop is not None and left_stop > start) or (
+        right_start is not None and right_start < stop
+    ):
+        raise CoverageError(f"range [{start}, {stop}) overlaps batches already held")
+    return left_stop == start, right_start == stop
+
+
 def _insert_disjoint(ranges: list[BatchRange], rng: BatchRange) -> None:
     """Insert ``rng`` into sorted, disjoint, coalesced ``ranges``, merging adjacent neighbours.
 
@@ -112,12 +128,12 @@ def _insert_disjoint(ranges: list[BatchRange], rng: BatchRange) -> None:
     i = bisect.bisect_left(ranges, rng.start, key=_start)
     left = ranges[i - 1] if i > 0 else None
     right = ranges[i] if i < len(ranges) else None
-    if (left is not None and left.stop > rng.start) or (
-        right is not None and right.start < rng.stop
-    ):
-        raise CoverageError(f"range [{rng.start}, {rng.stop}) overlaps batches already held")
-    merge_left = left is not None and left.stop == rng.start
-    merge_right = right is not None and right.start == rng.stop
+    merge_left, merge_right = _joins(
+        None if left is None else left.stop,
+        None if right is None else right.start,
+        rng.start,
+        rng.stop,
+    )
     if left is not None and right is not None and merge_left and merge_right:
         ranges[i - 1] = BatchRange(left.start, right.stop)
         del ranges[i]
@@ -148,13 +164,9 @@ def _insert_span(starts: list[int], stops: list[int], start: int, stop: int) -> 
             stops.append(stop)
         return
     i = bisect.bisect_left(starts, start)
-    left_stop = stops[i - 1] if i > 0 else None
-    right_start = starts[i] if i < len(starts) else None
-    if (left_stop is not None and left_stop > start) or (
-        right_start is not None and right_start < stop
-    ):
-        raise CoverageError(f"range [{start}, {stop}) overlaps batches already held")
-    merge_left, merge_right = left_stop == start, right_start == stop
+    merge_left, merge_right = _joins(
+        stops[i - 1] if i > 0 else None, starts[i] if i < len(starts) else None, start, stop
+    )
     if merge_left and merge_right:
         stops[i - 1] = stops[i]
         del starts[i], stops[i]
