@@ -103,7 +103,10 @@ def main() -> None:
     x = torch.randn(args.samples, 16, generator=g)
     y = (x @ w).argmax(dim=1)
     ids = torch.arange(args.samples)
-    held_x = torch.randn(256, 16, generator=g)
+    # 4,096 held-out samples: the parity checks compare one run's final accuracy with
+    # another's, and on 256 the same run's accuracy spread over 2.8 pp between repeats
+    # (docs/reliability.md, "accuracy parity after a resize"), more than the 2 % bound
+    held_x = torch.randn(4096, 16, generator=g)
     held_y = (held_x @ w).argmax(dim=1)
     ids_file = open(logs / f"rank{me}.ids", "a", buffering=1) if me >= 0 else None  # noqa: SIM115
     steps = {"n": 0}
