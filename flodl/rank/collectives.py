@@ -20,7 +20,8 @@ store — raises :class:`flodl.errors.CollectiveFailed`. The tensors passed in a
 (results are copied back only after the reduce succeeded), the session is marked broken (every
 later collective raises at once, without touching the network), and the caller waits for
 ``NewSession``, calls :meth:`Collective.form` with its prefix and redoes the reduce from its
-pre-sync copy.
+pre-sync copy. A failed Gloo group is torn down at once, so a survivor blocked on this rank
+(not on the dead one) fails within milliseconds too, instead of at its timeout.
 
 NCCL: the group is created with ``TORCH_NCCL_BLOCKING_WAIT=1`` unless the environment already sets
 it, so a timed-out collective raises on this thread instead of the watchdog tearing the process
@@ -511,12 +512,23 @@ class Collective:
             )
         try:
             op()
+            return
         except RuntimeError as exc:  # Gloo: "Connection closed by peer", timeouts; NCCL errors
-            self._broken = True
-            raise CollectiveFailed(
-                f"{what} failed in session {self._prefix!r} (rank {self._rank}"
-                f" of {self._world_size}): {exc}"
-            ) from exc
+            error = str(exc)
+        # (out of the except block: the exception's traceback holds the failed work, and the
+        # work holds the group's connections open)
+        self._broken = True
+        if self.backend == "gloo" and not shrink_supported(self._device):
+            # Close this rank's connections now. A survivor still blocked in the same
+            # collective on a receive from this rank (Gloo's ring: it waits on its neighbour,
+            # not on the dead rank) then fails at once, "closed by peer", instead of at its
+            # collective timeout, 2/3 of the heartbeat timeout later. NCCL, and a group that
+            # can shrink, keep their broken group: the next form may shrink it.
+            self._teardown_group()
+        raise CollectiveFailed(
+            f"{what} failed in session {self._prefix!r} (rank {self._rank}"
+            f" of {self._world_size}): {error}"
+        )
 
     def _pack(self, purpose: str, tensors: Sequence[Tensor], last: float) -> Tensor:
         """The reused flat buffer ``[last·t0, last·t1, …, last]`` on the session device."""
