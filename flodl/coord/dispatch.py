@@ -197,7 +197,11 @@ class Dispatch:
 
     def snapshot(self, rank: int) -> dict[int, int]:
         """``rank``'s done count per open epoch (what a cycle it enters will commit)."""
-        return {e: w.done(rank) for e, w in self.works.items()}
+        works = self.works
+        if len(works) == 1:  # the common case, without a comprehension's frame (once per ack)
+            for e, w in works.items():
+                return {e: w.done(rank)}
+        return {e: w.done(rank) for e, w in works.items()}
 
     def epochs_done(self) -> bool:
         """No epoch is open and every epoch of the run was opened."""
@@ -305,8 +309,10 @@ class Dispatch:
             self.refresh(rank)
 
     def plan(self, epoch: int, rng: BatchRange) -> EpochPlan:
-        offset, size = to_samples(rng, self._bs)
-        return EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size)
+        bs = self._bs  # (≥ 1: the config checked it; to_samples would check it per chunk)
+        return EpochPlan(
+            epoch=epoch, partition_offset=rng.start * bs, partition_size=(rng.stop - rng.start) * bs
+        )
 
     def pop_done_epoch(self) -> ClosedEpoch | None:
         """Close the lowest open epoch if every batch of it is committed."""
@@ -357,15 +363,23 @@ class Dispatch:
         barrier = self._barrier
         if barrier and self.cycle.pending:
             return plans
-        trains = self.membership.trains
+        trains, in_flight, refresh, plan = (
+            self.membership.trains,
+            self.in_flight,
+            self.refresh,
+            self.plan,
+        )
         windows = self.windows
         overshoot = self.overshoot
         counts, _, sum_counts = self.cohort()
+        calibrated = not self._calibrating  # (cached with the cohort)
+        world_size = self.config.world_size
         work: EpochWork | None = None
+        slots: list[int] | None = None  # the epoch's pinned final-window slots (barrier-paced)
         for rank in ranks:
             if not trains(rank):
                 continue
-            held = self.in_flight(rank)
+            held = in_flight(rank)
             if barrier and held > 0:
                 continue
             # Work already handed out counts against the window budget: without this an Async
@@ -376,18 +390,22 @@ class Dispatch:
             extension = steps >= count + overshoot
             if extension and not self._may_extend(rank):
                 continue
-            if work is None or work.remaining() == 0:
+            if work is None or (remaining := work.remaining()) == 0:
                 work = self.first_unassigned()
-            if work is None:
-                if barrier or self.next_epoch >= self.config.total_epochs:
-                    break  # nothing unassigned, and nothing to open: no rank gets a chunk
-                work = self.open_epoch(self.next_epoch, now, out)
-                counts, _, sum_counts = self.cohort()  # opening invalidated it (next ranks)
-                if work.remaining() == 0:
-                    work = None
-                    continue
-            final_slot = self._final_slot(work, rank) if barrier else None
-            remaining = work.remaining()
+                if work is None:
+                    if barrier or self.next_epoch >= self.config.total_epochs:
+                        break  # nothing unassigned, and nothing to open: no rank gets a chunk
+                    work = self.open_epoch(self.next_epoch, now, out)
+                    counts, _, sum_counts = self.cohort()  # opening invalidated it (next ranks)
+                    calibrated = not self._calibrating
+                    if work.remaining() == 0:
+                        work = None
+                        continue
+                remaining = work.remaining()
+                # Pinned once per (epoch, cohort version): the same for every rank served
+                # from this epoch (the list is the pin itself, so the slots taken below show).
+                slots = self._final_slots(work) if barrier else None
+            final_slot = None if slots is None else slots[rank]
             if extension:
                 # one batch at a time, and never into the epoch's final-window band: the pool
                 # keeps what the closing windows need
@@ -403,8 +421,8 @@ class Dispatch:
                     sum_counts=rank_sum,
                     final_slot=final_slot,
                     max_overshoot=overshoot,
-                    calibrated=not self._calibrating,  # cached with the cohort: O(1)
-                    world_size=self.config.world_size,
+                    calibrated=calibrated,
+                    world_size=world_size,
                     total_batches=work.total_batches,
                     checked=False,  # (every value read from the ledger and the cohort)
                 )
@@ -415,12 +433,11 @@ class Dispatch:
                 continue
             if extension:
                 self._ext_holding.add(rank)
-            self.refresh(rank)
-            if final_slot is not None:
-                slots = self.final_plans[work.epoch][1]
-                if slots is not None:
-                    slots[rank] = max(0, slots[rank] - rng.size)
-            plans[rank] = self.plan(work.epoch, rng)
+            if not self._gate_stale:  # (a finalize's hand-out: the rebuild computes it)
+                refresh(rank)
+            if final_slot is not None and slots is not None:
+                slots[rank] = max(0, slots[rank] - rng.size)
+            plans[rank] = plan(work.epoch, rng)
         return plans
 
     def window_spent(self, rank: int) -> bool:
@@ -457,13 +474,14 @@ class Dispatch:
         final_window_due() has it, without its O(W) sum (Σ counts is cached with the cohort)."""
         return self.cohort()[2] + self.config.world_size
 
-    def _final_slot(self, work: EpochWork, rank: int) -> int | None:
-        """``rank``'s slot in the epoch's final window, or None when the window is not final.
+    def _final_slots(self, work: EpochWork) -> list[int] | None:
+        """Every rank's slot in the epoch's final window, or None when the window is not final.
 
         Decided once per (epoch, cohort version) — a window, since every finalize bumps the
         version — from the pool as the window's first chunk found it: a window that did not
         start final stays so for the ranks that ask later, who get their full counts, instead
-        of a final plan computed from what the first ranks left (docs/design.md §5)."""
+        of a final plan computed from what the first ranks left (docs/design.md §5). The list
+        returned is the pin: a chunk taken against a slot is subtracted from it in place."""
         counts, alive, _ = self.cohort()
         key = self._cohort_version
         pinned = self.final_plans.get(work.epoch)
@@ -472,8 +490,7 @@ class Dispatch:
             due = 0 < rem < self._final_band()
             pinned = (key, final_window_alloc(rem, counts, alive) if due else None)
             self.final_plans[work.epoch] = pinned
-        slots = pinned[1]
-        return None if slots is None else slots[rank]
+        return pinned[1]
 
     # ------------------------------------------------------------------ batches, commits, deaths
     def on_batch(self, batch: Batch) -> None:
@@ -498,7 +515,7 @@ class Dispatch:
         for e, done in snapshot.items():
             work = works.get(e)
             if work is not None:
-                work.commit_upto(rank, min(done, work.done(rank)))
+                work.commit_upto(rank, done, clamp=True)
 
     def forfeit(self, rank: int, out: list[Effect], *, redistribute: bool = True) -> None:
         """Return the dead rank's uncommitted work: to the pool (progressive, or when the run

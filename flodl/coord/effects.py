@@ -31,9 +31,13 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Send:
-    """Send ``frame`` to ``rank`` (best-effort: a failed send is reported back as PeerLost)."""
+    """Send ``frame`` to ``rank`` (best-effort: a failed send is reported back as PeerLost).
+
+    Immutable like every effect, but not declared frozen: a cycle makes two or more per live
+    rank, and a frozen dataclass's constructor costs 2.4× a plain one's (docs/design.md §2,
+    "Coordinator cost")."""
 
     rank: int
     frame: CoordFrame

@@ -500,22 +500,26 @@ class EpochWork:
         """Commit every done batch of ``rank`` (a reduce including its contribution finalized)."""
         self.commit_upto(rank, self.done(rank))
 
-    def commit_upto(self, rank: int, done_count: int) -> None:
+    def commit_upto(self, rank: int, done_count: int, *, clamp: bool = False) -> None:
         """Commit ``rank``'s batches up to a cumulative done count (e.g. captured at the trigger).
 
         Afterwards ``committed(rank) == max(committed(rank), done_count)``; a count at or below
-        the committed count is a no-op.
+        the committed count is a no-op. With ``clamp``, a count above ``done(rank)`` commits
+        ``done(rank)`` (a snapshot older than a forfeit or a rejoin that reset the rank's work).
 
         Raises:
-            LocalProtocolError: a bad rank, or ``done_count > done(rank)``.
+            LocalProtocolError: a bad rank, or ``done_count > done(rank)`` without ``clamp``.
         """
         ledger = self._ledger(rank)
         if done_count > ledger.committed_count + ledger.done_open:
-            raise LocalProtocolError(
-                f"cannot commit {done_count} batches of rank {rank}: only "
-                f"{ledger.committed_count + ledger.done_open} done",
-                rank=rank,
-            )
+            if clamp:
+                done_count = ledger.committed_count + ledger.done_open
+            else:
+                raise LocalProtocolError(
+                    f"cannot commit {done_count} batches of rank {rank}: only "
+                    f"{ledger.committed_count + ledger.done_open} done",
+                    rank=rank,
+                )
         need = done_count - ledger.committed_count
         if need <= 0:
             return

@@ -500,7 +500,9 @@ def chunk_batches(
         require_positive("min_chunk_batches", min_chunk_batches)
         if final_slot is not None:
             require_non_negative("final_slot", final_slot)
-    budget = reduce_step_budget(count, max_overshoot, barrier_paced=barrier_paced)
+        budget = reduce_step_budget(count, max_overshoot, barrier_paced=barrier_paced)
+    else:  # (reduce_step_budget without its checks: the hot path's values hold)
+        budget = count if barrier_paced else count + max_overshoot
     if remaining == 0 or steps_in_window >= budget:
         return 0
     if final_slot is not None:

@@ -42,7 +42,7 @@ from flodl.coord.liveness import RankState
 from flodl.coord.machine import Coordinator
 from flodl.coord.phases import RunPhase
 from flodl.errors import FrameError, LocalProtocolError
-from flodl.service.heap import HeapFreeze
+from flodl.service.heap import YOUNG_THRESHOLD, HeapFreeze
 from flodl.service.server import CoordinatorServer
 from flodl.timeouts import HEARTBEAT_INTERVAL_S, Timeouts
 from flodl.wire.codec import AnyFrame, auth_tag, encode_frame
@@ -854,6 +854,7 @@ async def test_the_heap_is_frozen_while_the_run_trains_only_when_asked(freeze: b
     back. Without it (a launcher-hosted coordinator, in the user's interpreter) the collector
     is left alone."""
     assert gc.get_freeze_count() == 0, "another test left the heap frozen"
+    before = gc.get_threshold()
     try:
         async with serving(freeze_heap=freeze) as h:
             r0, _ = await h.join(0)
@@ -861,32 +862,43 @@ async def test_the_heap_is_frozen_while_the_run_trains_only_when_asked(freeze: b
             await h.join(1)
             await r0.read_until(StartEpoch)  # the second hello was handled: training
             assert (gc.get_freeze_count() > 0) is freeze
+            assert (gc.get_threshold()[0] == YOUNG_THRESHOLD) is freeze
             await asyncio.wait_for(h.server.close(), WAIT_S)
             assert gc.get_freeze_count() == 0
+            assert gc.get_threshold() == before
     finally:
         gc.unfreeze()
+        gc.set_threshold(*before)
 
 
 def test_a_released_heap_policy_never_freezes_again() -> None:
     """An input that reaches a closed server (a reduce round's report queued from another
     thread) must not freeze the heap again: nobody would unfreeze it."""
     assert gc.get_freeze_count() == 0, "another test left the heap frozen"
+    before = gc.get_threshold()
+    assert before[0] < YOUNG_THRESHOLD, "another test left the collector's threshold raised"
     try:
         early = HeapFreeze()
         early.release()  # closed before it trained
         early.on_phase(RunPhase.TRAINING)
         assert gc.get_freeze_count() == 0 and not early.frozen
+        assert gc.get_threshold() == before
         heap = HeapFreeze()
         heap.on_phase(RunPhase.FORMING)
         assert gc.get_freeze_count() == 0 and heap.pending
+        assert gc.get_threshold() == before
         heap.on_phase(RunPhase.TRAINING)
         assert gc.get_freeze_count() > 0 and heap.frozen and not heap.pending
+        # young passes are rarer while it trains; the older generations keep their ratios
+        assert gc.get_threshold() == (YOUNG_THRESHOLD, *before[1:])
         heap.release()
         heap.release()  # idempotent
         heap.on_phase(RunPhase.TRAINING)
         assert gc.get_freeze_count() == 0 and not heap.frozen and not heap.pending
+        assert gc.get_threshold() == before
     finally:
         gc.unfreeze()
+        gc.set_threshold(*before)
 
 
 @pytest.mark.timeout(30)

@@ -105,6 +105,9 @@ def test_fifo_advance_across_several_ranges_and_commit() -> None:
     assert work.committed(0) == 9
     with pytest.raises(LocalProtocolError, match="only 12 done"):
         work.commit_upto(0, 13)
+    assert work.committed(0) == 9  # unchanged by the refused commit
+    work.commit_upto(0, 13, clamp=True)  # a snapshot above what is done commits what is done
+    assert (work.committed(0), work.done(0), work.pending(0)) == (12, 12, 0)
     work.commit(0)
     assert work.pending(0) == 0
     assert work.committed_by_rank() == {0: [R(0, 5), R(20, 23), R(40, 44)], 1: []}
