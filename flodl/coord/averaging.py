@@ -176,10 +176,11 @@ class Averaging:
         if self.traits.cpu_averaging:
             out.append(OpenReduce(number, tuple(alive)))
             request: CoordFrame = RequestParams(cycle=number)
+            throttle = Throttle() if self.traits.throttle_at_trigger else None  # (one for all)
             for r in alive:
                 out.append(Send(r, request))
-                if self.traits.throttle_at_trigger:
-                    out.append(Send(r, Throttle()))
+                if throttle is not None:
+                    out.append(Send(r, throttle))
         else:
             # a rank awaiting the consensus takes part: it gets the outer state too
             heal = not self.membership.awaiting.isdisjoint(alive)
