@@ -197,11 +197,7 @@ class Dispatch:
 
     def snapshot(self, rank: int) -> dict[int, int]:
         """``rank``'s done count per open epoch (what a cycle it enters will commit)."""
-        works = self.works
-        if len(works) == 1:  # the common case, without a comprehension's frame (once per ack)
-            for e, w in works.items():
-                return {e: w.done(rank)}
-        return {e: w.done(rank) for e, w in works.items()}
+        return {e: w.done(rank) for e, w in self.works.items()}
 
     def epochs_done(self) -> bool:
         """No epoch is open and every epoch of the run was opened."""
@@ -309,10 +305,8 @@ class Dispatch:
             self.refresh(rank)
 
     def plan(self, epoch: int, rng: BatchRange) -> EpochPlan:
-        bs = self._bs  # (≥ 1: the config checked it; to_samples would check it per chunk)
-        return EpochPlan(
-            epoch=epoch, partition_offset=rng.start * bs, partition_size=(rng.stop - rng.start) * bs
-        )
+        offset, size = to_samples(rng, self._bs)
+        return EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size)
 
     def pop_done_epoch(self) -> ClosedEpoch | None:
         """Close the lowest open epoch if every batch of it is committed."""
@@ -433,8 +427,7 @@ class Dispatch:
                 continue
             if extension:
                 self._ext_holding.add(rank)
-            if not self._gate_stale:  # (a finalize's hand-out: the rebuild computes it)
-                refresh(rank)
+            refresh(rank)
             if final_slot is not None and slots is not None:
                 slots[rank] = max(0, slots[rank] - rng.size)
             plans[rank] = plan(work.epoch, rng)

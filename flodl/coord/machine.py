@@ -197,8 +197,7 @@ class Coordinator:
     def handle(self, event: RankFrame | Input, now: float) -> list[Effect]:
         """Apply one input received at monotonic ``now`` (seconds); return the effects."""
         out: list[Effect] = []
-        if self._heartbeat_at is None or self._join_deadline_at is None:  # (the first input)
-            self._arm_clocks(now)
+        self._arm_clocks(now)
         if event.kind not in self._accepts:  # accepts(self.phase, kind), without hashing it
             self._not_accepted(event, now, out)
             return out

@@ -424,8 +424,9 @@ def final_window_alloc(rem: int, counts: Sequence[int], alive: Sequence[bool]) -
 def reduce_step_budget(count: int, max_overshoot: int = 0, *, barrier_paced: bool) -> int:
     """Steps a rank may take between reduces: ``count``, plus ``max_overshoot`` when the mode
     is not barrier-paced (Async)."""
-    require_non_negative("count", count)
-    require_non_negative("max_overshoot", max_overshoot)
+    if count < 0 or max_overshoot < 0:  # (the checks inline: the dispatcher asks per chunk)
+        require_non_negative("count", count)
+        require_non_negative("max_overshoot", max_overshoot)
     return count if barrier_paced else count + max_overshoot
 
 
@@ -500,9 +501,7 @@ def chunk_batches(
         require_positive("min_chunk_batches", min_chunk_batches)
         if final_slot is not None:
             require_non_negative("final_slot", final_slot)
-        budget = reduce_step_budget(count, max_overshoot, barrier_paced=barrier_paced)
-    else:  # (reduce_step_budget without its checks: the hot path's values hold)
-        budget = count if barrier_paced else count + max_overshoot
+    budget = reduce_step_budget(count, max_overshoot, barrier_paced=barrier_paced)
     if remaining == 0 or steps_in_window >= budget:
         return 0
     if final_slot is not None:
