@@ -1,12 +1,12 @@
 """Chaos mode: seeded fault injection into a running job (a product feature, and the chaos suite).
 
 A :class:`ChaosPlan` is a list of :class:`Fault` s, each aimed at one rank and triggered at a
-point of that rank's own progress — its n-th training step, or a time since its training
-started — so a plan is deterministic for a seed (what happens, to whom, when), while the
-recovery it provokes is measured, not assumed. The plan reaches every rank process through
-the ``FLODL_CHAOS`` environment variable (the launcher's children inherit it), and the rank
-runtime calls the injector's hooks at its step boundaries, before each averaging upload,
-inside callbacks and inside bundle saves.
+point of that rank's own progress — its n-th training step, its first step in a given epoch,
+or a time since its training started — so a plan is deterministic for a seed (what happens,
+to whom, when), while the recovery it provokes is measured, not assumed. The plan reaches
+every rank process through the ``FLODL_CHAOS`` environment variable (the launcher's children
+inherit it), and the rank runtime calls the injector's hooks at its step boundaries, before
+each averaging upload, inside callbacks and inside bundle saves.
 
 Faults (``kind``):
 
@@ -95,24 +95,35 @@ SIGNAL_KINDS = {"KILL": "kill", "STOP": "stop", "CONT": "stop"}
 
 @dataclass(frozen=True)
 class Fault:
-    """One fault: ``kind`` on ``rank`` when it reaches ``step`` (its own training steps) or
-    ``after_s`` seconds of training, whichever is set; ``duration_s`` for stop/delay."""
+    """One fault: ``kind`` on ``rank`` when it reaches ``step`` (its own training steps),
+    trains its first step of ``epoch`` (or of a later one), or has trained ``after_s`` seconds,
+    whichever is set; ``duration_s`` for stop/delay.
+
+    ``epoch`` does not depend on how the batches were split among the ranks: a hook fault
+    (``kill_in_checkpoint``, ``kill_after_save``, ``kill_coordinator_in_save``) armed at
+    ``epoch=e`` fires in the bundle saved after epoch ``e``, never in epoch ``e − 1``'s,
+    since the epoch-boundary callbacks reach a rank before any work of the next epoch
+    (docs/design.md §8)."""
 
     kind: str
     rank: int
     step: int | None = None
     after_s: float | None = None
     duration_s: float = 0.0
+    epoch: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise ConfigError(f"unknown fault kind {self.kind!r}: one of {', '.join(FAULT_KINDS)}")
         if self.rank < 0:
             raise ConfigError(f"fault rank must be >= 0, got {self.rank}")
-        if (self.step is None) == (self.after_s is None):
-            raise ConfigError("a fault needs exactly one trigger: step or after_s")
+        triggers = (self.step, self.after_s, self.epoch)
+        if sum(t is not None for t in triggers) != 1:
+            raise ConfigError("a fault needs exactly one trigger: step, epoch or after_s")
         if self.step is not None and self.step < 0:
             raise ConfigError(f"fault step must be >= 0, got {self.step}")
+        if self.epoch is not None and self.epoch < 0:
+            raise ConfigError(f"fault epoch must be >= 0, got {self.epoch}")
         if self.after_s is not None and not self.after_s >= 0:
             raise ConfigError(f"fault after_s must be >= 0, got {self.after_s}")
         if not 0 <= self.duration_s <= 3600:
@@ -224,8 +235,9 @@ class RankChaos:
         return cls(rank, faults, env.get(RECORD_DIR_ENV) or None)
 
     # ------------------------------------------------------------------ hooks
-    def on_step(self, step: int) -> None:
-        """After each training step: fire the faults whose trigger was reached."""
+    def on_step(self, step: int, epoch: int | None = None) -> None:
+        """After each training step (of ``epoch``; None: before training, the initial
+        broadcast): fire the faults whose trigger was reached."""
         if not self.faults:
             return
         elapsed = time.monotonic() - self.started
@@ -233,6 +245,7 @@ class RankChaos:
             f
             for f in self.faults
             if (f.step is not None and step >= f.step)
+            or (f.epoch is not None and epoch is not None and epoch >= f.epoch)
             or (f.after_s is not None and elapsed >= f.after_s)
         ]
         for fault in due:

@@ -597,7 +597,7 @@ class RankLoop:
         self.bridge.set_step(self.step)
         self._send(batch)  # (with the slice's metrics when it finished one)
         if self.chaos is not None:
-            self.chaos.on_step(self.step)
+            self.chaos.on_step(self.step, batch.epoch)
 
     def _apply_lr(self) -> None:
         if self.scheduler is None:

@@ -23,9 +23,11 @@ pytestmark = [pytest.mark.integration]
 
 EPOCHS = 4
 WRITER = 1  # the checkpoint role is pinned to rank 1 (--policy 1)
-ARMED_AT = 25
-"""A step of epoch 1 (about 21 steps per rank per epoch): the fault fires at the next save,
-the one after epoch 1."""
+ARMED_AT = 1
+"""The epoch whose first step arms the fault: it fires at the next save, the one after epoch
+1 (epoch 0's save reached the rank before any batch of epoch 1). A step count would depend on
+how the batches were split: at step 25, meant for epoch 1, a writer that trained 25 of epoch
+0's 64 batches had its first save killed."""
 CASES = [
     pytest.param("kill_in_checkpoint", WRITER, id="writer-killed-before-the-model"),
     pytest.param("kill_after_save", WRITER, id="writer-killed-after-the-model"),
@@ -51,7 +53,7 @@ def test_a_save_killed_between_two_writes_leaves_a_bundle_that_resumes(
     stem = tmp_path / "ck"
     common = ["--ranks", "3", "--mode", "cpu_cadence", "--policy", str(WRITER)]
     common += ["--save", str(stem), "--checkpoint-every", "1", "--slow", "0:3,1:3,2:3"]
-    plan = ChaosPlan((Fault(fault, rank, step=ARMED_AT),), seed=0)
+    plan = ChaosPlan((Fault(fault, rank, epoch=ARMED_AT),), seed=0)
     first = run(tmp_path, "run", *common, "--epochs", str(EPOCHS), "--chaos", plan.to_env())
     if fault == "kill_coordinator_in_save":
         assert first.returncode != 0  # the launcher, and with it the coordinator, is gone

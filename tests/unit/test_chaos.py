@@ -51,6 +51,14 @@ def test_faults_validate_and_survive_the_environment() -> None:
             ChaosPlan.from_env(bad)
     with pytest.raises(ConfigError, match="exactly one trigger"):
         Fault("kill", 0, step=1, after_s=1.0)
+    with pytest.raises(ConfigError, match="exactly one trigger"):
+        Fault("kill", 0, step=1, epoch=1)
+    with pytest.raises(ConfigError, match="exactly one trigger"):
+        Fault("kill", 0)
+    with pytest.raises(ConfigError, match="fault epoch must be >= 0"):
+        Fault("kill", 0, epoch=-1)
+    by_epoch = ChaosPlan((Fault("kill_after_save", 1, epoch=2),), seed=0)
+    assert ChaosPlan.from_env(by_epoch.to_env()) == by_epoch
     env = {CHAOS_ENV: plan.to_env()}
     assert RankChaos.from_environ(0, env) is None  # no fault for rank 0
     chaos = RankChaos.from_environ(1, env)
@@ -77,6 +85,22 @@ def test_hooks_fire_each_fault_once_at_its_step(tmp_path: Path) -> None:
     recs = RecordLog.tail(tmp_path, "root/chaos", 10)
     assert [r["data"]["fault"] for r in recs] == ["delay_reduce", "close_control"]
     assert recs[1]["data"]["step"] == 7 and recs[1]["data"]["class"] == "chaos"
+
+
+def test_an_epoch_trigger_arms_at_the_first_step_of_that_epoch(tmp_path: Path) -> None:
+    """However many steps the rank took in the epochs before (its share of each depends on
+    the split), an epoch fault arms at its first step of that epoch or a later one, and never
+    in the initial broadcast (no epoch yet)."""
+    chaos = RankChaos(1, [Fault("kill_after_save", 1, epoch=1)], str(tmp_path))
+    chaos.begin()  # the initial broadcast: step 0, no epoch
+    for step in range(1, 40):  # a long epoch 0 on this rank
+        chaos.on_step(step, 0)
+    assert chaos._armed == {} and len(chaos.faults) == 1
+    chaos.on_step(40, 1)
+    assert "kill_after_save" in chaos._armed and chaos.faults == []
+    late = RankChaos(1, [Fault("kill_in_checkpoint", 1, epoch=1)], str(tmp_path))
+    late.on_step(3, 2)  # a rank that joined later, at epoch 2, still arms
+    assert "kill_in_checkpoint" in late._armed
 
 
 def test_the_recovery_table_joins_faults_with_the_coordinators_records(tmp_path: Path) -> None:
