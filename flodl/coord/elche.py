@@ -68,8 +68,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence  # (at run time: see docs/design.md §2)
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Self
+from typing import Self
 
 from flodl.config import DEFAULT_ANCHOR, DEFAULT_MAX_ANCHOR, DEFAULT_OVERHEAD_TARGET
 from flodl.coord.elche_state import (
@@ -84,6 +85,7 @@ from flodl.coord.elche_state import (
     TRUST_WINDOW_CAP,
     WARMUP_GROWTH_MARGIN,
     ElCheState,
+    IntArg,
     Phase,
     WindowReport,
     is_int,
@@ -91,9 +93,6 @@ from flodl.coord.elche_state import (
 )
 from flodl.coord.verdicts import AnchorVerdict, NudgeDown, Stable, SuppressGrowth
 from flodl.errors import ConfigError, LocalProtocolError
-
-if TYPE_CHECKING:
-    from collections.abc import Sequence
 
 __all__ = [
     "TRUST_WINDOW_CAP",
@@ -172,13 +171,13 @@ class ElChe:
 
     def __init__(
         self,
-        world_size: int,
+        world_size: IntArg,
         *,
-        anchor: int = DEFAULT_ANCHOR,
-        max_anchor: int = DEFAULT_MAX_ANCHOR,
-        min_anchor: int | None = None,
+        anchor: IntArg = DEFAULT_ANCHOR,
+        max_anchor: IntArg = DEFAULT_MAX_ANCHOR,
+        min_anchor: IntArg | None = None,
         overhead_target: float = DEFAULT_OVERHEAD_TARGET,
-        max_batch_diff: int | None = None,
+        max_batch_diff: IntArg | None = None,
         window_growth_applicable: bool = True,
     ) -> None:
         if not is_int(world_size) or world_size < 1:
@@ -693,8 +692,11 @@ class ElChe:
 
     # ------------------------------------------------------------------ verdict seam
 
-    def apply_verdict(self, verdict: AnchorVerdict) -> None:
-        """Apply a verdict from any producer (guard, meta-controller): the one seam.
+    def apply_verdict(self, verdict: AnchorVerdict | object) -> None:
+        """Apply a verdict from any producer (guard, meta-controller): the one seam. (Typed
+        wider than :data:`AnchorVerdict` so that the compiled core, which checks a declared
+        union at the call, also answers another object with the error below: a guard may be
+        the user's; docs/design.md §2.)
 
         - ``Stable(relax_up)``: commit the staged proposal (anchor = proposal, recompute); if
           ``relax_up``, :meth:`relax_anchor_up`; one more consecutive Stable, re-arming growth at

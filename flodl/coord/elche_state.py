@@ -5,14 +5,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import (  # (at run time: see docs/design.md §2)
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
 
 from flodl.errors import ConfigError, LocalProtocolError
-
-if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
 
 __all__ = [
     "TRUST_WINDOW_CAP",
@@ -26,6 +26,7 @@ __all__ = [
     "DEAD_ZONE",
     "MISS_LIMIT",
     "Phase",
+    "IntArg",
     "WindowReport",
     "ElCheState",
 ]
@@ -93,6 +94,12 @@ class Phase(Enum):
 
 
 _PHASE_ORDER: tuple[Phase, ...] = (Phase.PROBE, Phase.WARMUP, Phase.STABLE, Phase.MATURE)
+
+
+IntArg = int | bool
+"""An int argument a constructor checks with :func:`is_int`, spelled with ``bool`` so the
+compiled core (mypyc) passes the check the object as given: it converts a bool to an int at a
+call to a plain ``int`` parameter, and ``True`` would pass as 1 (docs/design.md §2)."""
 
 
 def is_int(value: object) -> bool:

@@ -34,14 +34,14 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import (  # (at run time: see docs/design.md §2)
+    Iterable,
+    Sequence,
+)
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from flodl.checks import require_non_negative, require_positive
 from flodl.errors import CoverageError, LocalProtocolError
-
-if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
 
 __all__ = [
     "BatchRange",

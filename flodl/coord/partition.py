@@ -30,15 +30,15 @@ Choices (where the original is silent or ambiguous):
 from __future__ import annotations
 
 import math
+from collections.abc import (  # (at run time: see docs/design.md §2)
+    Iterable,
+    Sequence,
+)
 from fractions import Fraction
-from typing import TYPE_CHECKING
 
 from flodl.checks import require_non_negative, require_positive
 from flodl.coord.ledger import BatchRange, merge_ranges, range_total
 from flodl.errors import LocalProtocolError
-
-if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
 
 __all__ = [
     "partition_sizes",

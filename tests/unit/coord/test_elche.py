@@ -569,7 +569,7 @@ def test_relax_up_is_refused_when_the_spread_would_pass_max_batch_diff() -> None
 
 def test_apply_verdict_rejects_other_types() -> None:
     with pytest.raises(LocalProtocolError):
-        ElChe(2).apply_verdict("stable")  # type: ignore[arg-type]
+        ElChe(2).apply_verdict("stable")
 
 
 # ---------------------------------------------------------------------------- speed hints
