@@ -19,7 +19,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from flodl import checkpoint
+from flodl import checkpoint, coord
 from flodl.config import MODES, OuterConfig, validated
 from flodl.coord.effects import BundleRequested, WriteMeta
 from flodl.errors import CheckpointError, ConfigError
@@ -201,9 +201,10 @@ async def _serve(args: argparse.Namespace, terms: JobTerms, secret: bytes) -> in
         if restarts == 0:
             w, m = terms.world_size, terms.min_world_size
             sizes = str(w) if m in (None, w) else f"{m} to {w}"
+            core = "compiled" if coord.compiled() else "interpreted"
             print(
                 f"flodl coordinator for run {terms.run_id!r} ({sizes} ranks; the first rank "
-                f"brings the job) on {args.host}:{port}\n"
+                f"brings the job; {core} core) on {args.host}:{port}\n"
                 f"ranks join with: FLODL_COORD={args.host}:{port} "
                 f"FLODL_SECRET_FILE={args.secret_file} FLODL_RUN_ID={terms.run_id}",
                 flush=True,

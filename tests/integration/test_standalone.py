@@ -25,6 +25,8 @@ JOIN = HERE / "join_main.py"
 
 RUN_IDS: dict[str, str] = {}
 """Coordinator address → its run id (what the ranks put in FLODL_RUN_ID)."""
+STARTS: dict[str, str] = {}
+"""Coordinator address → the first line it printed (the run, its ranks, its core)."""
 
 
 def start_coord(
@@ -35,9 +37,10 @@ def start_coord(
     world: Sequence[str] = ("--world-size", "2"),
     dataset_len: int = 2048,
     job: Sequence[str] | None = None,
+    cwd: Path | None = None,
 ) -> tuple[subprocess.Popen[str], str]:
     """``flodl coord`` with ``job`` as its job options (default: the dataset length and 2
-    epochs, which the ranks of these tests train: assertions that hold)."""
+    epochs, which the ranks of these tests train: assertions that hold), run in ``cwd``."""
     if job is None:
         job = ("--dataset-len", str(dataset_len), "--epochs", "2")
     proc = subprocess.Popen(
@@ -57,6 +60,7 @@ def start_coord(
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        cwd=cwd,
     )
     assert proc.stdout is not None
     first = proc.stdout.readline()
@@ -65,6 +69,7 @@ def start_coord(
     address = second.split("FLODL_COORD=")[1].split()[0]
     # the ranks need the coordinator's (random) run id: it is on the same line
     RUN_IDS[address] = second.split("FLODL_RUN_ID=")[1].split()[0]
+    STARTS[address] = first
     return proc, address
 
 
