@@ -28,7 +28,12 @@ Target: the 4096-rank cycle costs < 50 ms of coordinator CPU, growing no faster 
 
 Every world size runs ``REPEATS`` times, interleaved; a row is the run with the median cycle.
 
-    python benchmarks/bench_coord.py [--quick] [--repeat N] [--json PATH]
+``--compiled`` measures the compiled core too (docs/design.md §2, "Compiled core"): it builds
+the wheel a user would (``HATCH_BUILD_HOOK_ENABLE_CUSTOM=1 pip wheel .``), installs it in a
+scratch directory, and measures both builds in child processes, alternated (one run of every
+world size per child), so each row names its core.
+
+    python benchmarks/bench_coord.py [--quick] [--repeat N] [--compiled] [--json PATH]
 """
 
 from __future__ import annotations
@@ -36,13 +41,18 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from _common import (
+    REPO_ROOT,
     RESULTS_DIR,
     add_markdown_option,
     ensure_repo_on_path,
@@ -53,8 +63,15 @@ from _common import (
     write_json,
 )
 
-ensure_repo_on_path()
+CORE_PATH_ENV = "FLODL_BENCH_CORE_PATH"
+"""Set in a child process: the directory holding the flodl build it measures."""
 
+if os.environ.get(CORE_PATH_ENV):
+    sys.path.insert(0, os.environ[CORE_PATH_ENV])
+else:
+    ensure_repo_on_path()
+
+from flodl import coord as coord_pkg  # noqa: E402
 from flodl.service.heap import HeapFreeze  # noqa: E402
 from flodl.sim import SimCluster  # noqa: E402
 from flodl.wire.frames import Batch  # noqa: E402
@@ -119,8 +136,7 @@ def measure(world: int, cycles: int) -> dict[str, Any]:
         mark()
         return out
 
-    coord.handle = timed_handle  # type: ignore[method-assign]
-    coord.tick = timed_tick  # type: ignore[method-assign]
+    sim.coord = _Timed(coord, timed_handle, timed_tick)  # type: ignore[assignment]
     gc.collect()  # what earlier world sizes left is not this one's to collect
     gc.callbacks.append(on_gc)
     wall0 = time.perf_counter()
@@ -162,6 +178,7 @@ def measure(world: int, cycles: int) -> dict[str, Any]:
     one_off_ms = 1e3 * (cyc(end) - (cyc(marks[-1]) - cyc(marks[0])))
     return {
         "world": world,
+        "core": "compiled" if coord_pkg.compiled() else "interpreted",
         "cycles": trace.cycles,
         "ok": trace.ok,
         "cycle_us": cycle_us,
@@ -177,6 +194,23 @@ def measure(world: int, cycles: int) -> dict[str, Any]:
         "frozen_objects": frozen,
         "young_threshold": young,
     }
+
+
+class _Timed:
+    """The simulator's view of the coordinator with ``handle`` and ``tick`` timed; every other
+    attribute is the coordinator's. (Patching the instance's methods instead does not work on
+    the compiled core, whose classes have no instance dictionary.)"""
+
+    def __init__(self, coord: Any, handle: Any, tick: Any) -> None:
+        object.__setattr__(self, "_coord", coord)
+        object.__setattr__(self, "handle", handle)
+        object.__setattr__(self, "tick", tick)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._coord, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._coord, name, value)
 
 
 CYCLES = 24
@@ -207,17 +241,33 @@ LINEAR_BOUND = 1.5
 
 
 def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The targets from the rows: the 4096-rank cycle under TARGET_MS, growth linear."""
-    by = {r["world"]: r for r in rows}
-    big, mid = by.get(4096), by.get(64)
+    """The targets from the rows: the 4096-rank cycle under TARGET_MS, growth linear. The
+    top-level verdicts are the interpreted core's (the rows of a run without ``--compiled``);
+    ``by_core`` has every core measured."""
     out: dict[str, Any] = {"target_ms": TARGET_MS, "linear_bound": LINEAR_BOUND}
-    if big is not None:
-        out |= {"cycle_ms_4096": big["cycle_us"] / 1000.0}
-        out["met_cycle"] = out["cycle_ms_4096"] < TARGET_MS
-    if big is not None and mid is not None:
-        growth = big["cycle_us_per_rank"] / mid["cycle_us_per_rank"]
-        out |= {"per_rank_growth_64_to_4096": growth, "met_linear": growth <= LINEAR_BOUND}
+    by_core: dict[str, dict[str, Any]] = {}
+    for core in _cores(rows):
+        by = {r["world"]: r for r in rows if _core(r) == core}
+        big, mid = by.get(4096), by.get(64)
+        v: dict[str, Any] = {}
+        if big is not None:
+            v |= {"cycle_ms_4096": big["cycle_us"] / 1000.0}
+            v["met_cycle"] = v["cycle_ms_4096"] < TARGET_MS
+        if big is not None and mid is not None:
+            growth = big["cycle_us_per_rank"] / mid["cycle_us_per_rank"]
+            v |= {"per_rank_growth_64_to_4096": growth, "met_linear": growth <= LINEAR_BOUND}
+        by_core[core] = v
+    out |= by_core.get("interpreted", {})
+    out["by_core"] = by_core
     return out
+
+
+def _core(row: dict[str, Any]) -> str:
+    return str(row.get("core", "interpreted"))  # (a result file from before the compiled core)
+
+
+def _cores(rows: list[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(_core(r) for r in rows))
 
 
 def _frozen_text(rows: list[dict[str, Any]]) -> str:
@@ -232,6 +282,8 @@ def _frozen_text(rows: list[dict[str, Any]]) -> str:
 def markdown(data: dict[str, Any]) -> str:
     """The docs/benchmarks.md section for a result file (every figure from it)."""
     v = data["verdicts"]
+    cores = _cores(data["rows"])
+    core_head = "core | " if cores != ["interpreted"] else ""
     lines = [
         *section_head("Coordinator cost per averaging cycle", data),
         "",
@@ -249,6 +301,14 @@ def markdown(data: dict[str, Any]) -> str:
             "plain `batch` frame. Each world size ran "
             f"{data['rows'][0].get('repeats', 1)} time(s), interleaved with the others; a row is "
             "the run with the median `cycle µs`, and the last column shows every run's."
+            + (
+                " `core`: `interpreted` is the repository's sources, `compiled` the wheel built "
+                "with the compiled-core hook on (`HATCH_BUILD_HOOK_ENABLE_CUSTOM=1 pip wheel .`, "
+                'docs/design.md §2, "Compiled core"); each ran in child processes, the two '
+                "alternated, one run of every world size per child."
+                if core_head
+                else ""
+            )
         ),
         "",
         (
@@ -265,33 +325,37 @@ def markdown(data: dict[str, Any]) -> str:
         ),
         "",
         (
-            "| ranks | cycles | cycle µs | of which GC µs | µs per rank | vs 8 ranks (per rank) "
-            "| batch µs | total ms/cycle | closing ms | one-off ms | simulated rank·s per wall s "
-            "| cycle µs, each run |"
+            f"| {core_head}ranks | cycles | cycle µs | of which GC µs | µs per rank "
+            "| vs 8 ranks (per rank) | batch µs | total ms/cycle | closing ms | one-off ms "
+            "| simulated rank·s per wall s | cycle µs, each run |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---" * (12 + bool(core_head)) + "|",
     ]
-    base = data["rows"][0]["cycle_us_per_rank"]
     for r in data["rows"]:
+        base = next(b for b in data["rows"] if _core(b) == _core(r))["cycle_us_per_rank"]
+        cell = f"{_core(r)} | " if core_head else ""
         lines.append(
-            f"| {r['world']:,} | {r['cycles']} | {r['cycle_us']:,.0f} "
+            f"| {cell}{r['world']:,} | {r['cycles']} | {r['cycle_us']:,.0f} "
             f"| {_gc_cell(r)} | {r['cycle_us_per_rank']:.1f} "
             f"| {r['cycle_us_per_rank'] / base:.2f}× | {r['batch_us']:.1f} "
             f"| {r['total_ms_per_cycle']:.1f} | {r['closing_ms']:.1f} | {r['one_off_ms']:.0f} "
             f"| {r['sim_rank_seconds_per_wall_s']:.0f} | {_runs_cell(r)} |"
         )
     lines.append("")
-    if "met_linear" in v:
-        lines.append(
-            f"- Linear growth (µs per rank per cycle at 4096 ≤ {v['linear_bound']}× the 64-rank "
-            f"figure): {v['per_rank_growth_64_to_4096']:.2f}×, "
-            f"**{'met' if v['met_linear'] else 'not met'}**."
-        )
-    if "met_cycle" in v:
-        lines.append(
-            f"- 4096-rank cycle under {v['target_ms']:g} ms: {v['cycle_ms_4096']:.1f} ms, "
-            f"**{'met' if v['met_cycle'] else 'not met'}**."
-        )
+    for core, cv in v.get("by_core", {"interpreted": v}).items():
+        which = f", {core} core" if core_head else ""
+        if "met_linear" in cv:
+            lines.append(
+                f"- Linear growth{which} (µs per rank per cycle at 4096 ≤ "
+                f"{v['linear_bound']}× the 64-rank figure): "
+                f"{cv['per_rank_growth_64_to_4096']:.2f}×, "
+                f"**{'met' if cv['met_linear'] else 'not met'}**."
+            )
+        if "met_cycle" in cv:
+            lines.append(
+                f"- 4096-rank cycle under {v['target_ms']:g} ms{which}: "
+                f"{cv['cycle_ms_4096']:.1f} ms, **{'met' if cv['met_cycle'] else 'not met'}**."
+            )
     return "\n".join(lines)
 
 
@@ -303,30 +367,82 @@ def _gc_cell(row: dict[str, Any]) -> str:
     return "-" if row.get("cycle_gc_us") is None else f"{row['cycle_gc_us']:,.0f}"
 
 
+SIZES = (8, 64, 512, 4096)
+
+
+def build_compiled(scratch: Path) -> Path:
+    """The compiled core built as a user builds it (the wheel, with the build hook on),
+    installed under ``scratch``; returns the directory to put first on ``sys.path``."""
+    wheels, site = scratch / "wheel", scratch / "site"
+    env = os.environ | {"HATCH_BUILD_HOOK_ENABLE_CUSTOM": "1"}
+    pip = [sys.executable, "-m", "pip", "-q"]
+    build = [*pip, "wheel", "--no-deps", "-w", str(wheels), str(REPO_ROOT)]
+    subprocess.run(build, env=env, check=True)
+    wheel = next(wheels.glob("flodl-*.whl"))
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True)
+    return site
+
+
+def child_sweep(core: str, site: Path | None, cycles: int, out: Path) -> list[dict[str, Any]]:
+    """One run of every world size in a child process: the repository's sources, or the build
+    installed at ``site``. Fails unless the child measured the core it was meant to."""
+    env = {k: v for k, v in os.environ.items() if k != CORE_PATH_ENV}
+    if site is not None:
+        env[CORE_PATH_ENV] = str(site)
+    cmd = [sys.executable, __file__, "--sweep", str(out), "--cycles", str(cycles)]
+    subprocess.run(cmd, env=env, check=True)
+    rows: list[dict[str, Any]] = json.loads(out.read_text())
+    wrong = {r["core"] for r in rows} - {core}
+    if wrong:
+        raise SystemExit(f"bench_coord: the {core} child measured a {wrong.pop()} core")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cycles, one run per size")
     parser.add_argument("--repeat", type=int, default=None, help=f"runs per size ({REPEATS})")
+    parser.add_argument(
+        "--compiled", action="store_true", help="build the compiled core and measure it too"
+    )
     parser.add_argument("--json", default=str(RESULTS_DIR / "bench_coord.json"))
+    parser.add_argument("--sweep", help=argparse.SUPPRESS)  # (a child: one run of every size)
+    parser.add_argument("--cycles", type=int, default=CYCLES, help=argparse.SUPPRESS)
     add_markdown_option(parser, RESULTS_DIR / "bench_coord.json")
     args = parser.parse_args()
     if args.markdown is not None:
         print(markdown(json.loads(Path(args.markdown).read_text())))
         return
+    if args.sweep is not None:
+        Path(args.sweep).write_text(json.dumps([measure(w, args.cycles) for w in SIZES]))
+        return
     before = uptime()
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     cycles = 4 if args.quick else CYCLES
     repeats = args.repeat if args.repeat is not None else (1 if args.quick else REPEATS)
-    sizes = (8, 64, 512, 4096)
-    runs: dict[int, list[dict[str, Any]]] = {w: [] for w in sizes}
-    for _ in range(repeats):
-        for w in sizes:
-            runs[w].append(measure(w, cycles))
-    rows = [median_run(runs[w]) for w in sizes]
-    base = rows[0]["cycle_us_per_rank"]
+    cores = ["interpreted", "compiled"] if args.compiled else ["interpreted"]
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {(c, w): [] for c in cores for w in SIZES}
+    if args.compiled:
+        scratch = Path(tempfile.mkdtemp(prefix="bench-coord-"))
+        try:
+            site = build_compiled(scratch)
+            for i in range(repeats):
+                for core in cores if i % 2 == 0 else cores[::-1]:  # (alternated)
+                    where = site if core == "compiled" else None
+                    for r in child_sweep(core, where, cycles, scratch / f"{core}-{i}.json"):
+                        runs[(core, r["world"])].append(r)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    else:
+        for _ in range(repeats):
+            for w in SIZES:
+                runs[("interpreted", w)].append(measure(w, cycles))
+    rows = [median_run(runs[(c, w)]) for c in cores for w in SIZES]
+    bases = {r["core"]: r["cycle_us_per_rank"] for r in rows if r["world"] == SIZES[0]}
     print_table(
         "coordinator cost per averaging cycle (cpu_cadence, anchor 10, equal speeds)",
         [
+            "core",
             "ranks",
             "cycles",
             "cycle µs",
@@ -342,12 +458,13 @@ def main() -> None:
         ],
         [
             [
+                r["core"],
                 r["world"],
                 r["cycles"],
                 f"{r['cycle_us']:.0f}",
                 _gc_cell(r),
                 f"{r['cycle_us_per_rank']:.1f}",
-                f"{r['cycle_us_per_rank'] / base:.2f}×",
+                f"{r['cycle_us_per_rank'] / bases[r['core']]:.2f}×",
                 f"{r['batch_us']:.1f}",
                 f"{r['total_ms_per_cycle']:.1f}",
                 f"{r['closing_ms']:.1f}",
@@ -359,15 +476,19 @@ def main() -> None:
         ],
     )
     v = verdicts(rows)
-    if "met_linear" in v:
-        state = "met" if v["met_linear"] else "NOT met"
-        print(
-            f"µs per rank at 4096 = {v['per_rank_growth_64_to_4096']:.2f}× the 64-rank figure "
-            f"(target ≤ {LINEAR_BOUND:g}×): {state}"
-        )
-    if "met_cycle" in v:
-        state = "met" if v["met_cycle"] else "NOT met"
-        print(f"4096-rank cycle {v['cycle_ms_4096']:.1f} ms (target < {TARGET_MS:g} ms): {state}")
+    for core, cv in v["by_core"].items():
+        if "met_linear" in cv:
+            state = "met" if cv["met_linear"] else "NOT met"
+            print(
+                f"{core}: µs per rank at 4096 = {cv['per_rank_growth_64_to_4096']:.2f}× the "
+                f"64-rank figure (target ≤ {LINEAR_BOUND:g}×): {state}"
+            )
+        if "met_cycle" in cv:
+            state = "met" if cv["met_cycle"] else "NOT met"
+            print(
+                f"{core}: 4096-rank cycle {cv['cycle_ms_4096']:.1f} ms "
+                f"(target < {TARGET_MS:g} ms): {state}"
+            )
     argv = " ".join(sys.argv[1:])
     write_json(
         args.json,

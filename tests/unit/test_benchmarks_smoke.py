@@ -456,6 +456,30 @@ def test_coord_verdicts_and_markdown(bench: Any) -> None:
     assert "| 700 | 120,000 |" in text  # a single run's row names its one cycle figure
 
 
+def test_coord_verdicts_and_markdown_name_each_core_measured(bench: Any) -> None:
+    """``--compiled``: both cores' rows, a core column, and each core's verdicts; the top-level
+    verdicts stay the interpreted core's."""
+    c = bench("bench_coord")
+    rows = [
+        {"world": w, "cycle_us": us, "cycle_us_per_rank": us / w, "batch_us": 3.5, "core": core}
+        | {"total_ms_per_cycle": 1.0, "one_off_ms": 2.0, "sim_rank_seconds_per_wall_s": 700}
+        | {"closing_ms": 1.0, "cycles": 24, "cycle_gc_us": 0.0}
+        for core, scale in (("interpreted", 1.0), ("compiled", 0.4))
+        for w, us in ((8, 300.0 * scale), (64, 1_500.0 * scale), (4096, 120_000.0 * scale))
+    ]
+    v = c.verdicts(rows)
+    assert v["met_cycle"] is False and v["cycle_ms_4096"] == pytest.approx(120.0)
+    assert v["by_core"]["compiled"]["met_cycle"] is True
+    assert v["by_core"]["compiled"]["cycle_ms_4096"] == pytest.approx(48.0)
+    text = c.markdown(
+        result_head("python benchmarks/bench_coord.py --compiled") | {"rows": rows, "verdicts": v}
+    )
+    assert "| core | ranks | cycles |" in text and "| compiled | 4,096 | 24 | 48,000 |" in text
+    assert "4096-rank cycle under 50 ms, interpreted core: 120.0 ms, **not met**" in text
+    assert "4096-rank cycle under 50 ms, compiled core: 48.0 ms, **met**" in text
+    assert "| compiled | 8 | 24 | 120 | 0 | 15.0 | 1.00× |" in text  # (per core, against its own 8)
+
+
 def test_coord_rows_are_the_median_run_of_each_size(bench: Any) -> None:
     c = bench("bench_coord")
     runs = [{"world": 4096, "cycle_us": us, "tag": us} for us in (130_000.0, 95_000.0, 110_000.0)]
