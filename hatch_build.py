@@ -77,6 +77,17 @@ class CompiledCoreHook(BuildHookInterface):
             )
         work = Path(tempfile.mkdtemp(prefix="flodl-mypyc-"))
         self._work = work
+        try:
+            built = self._compile(work)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)  # (finalize does it after a build)
+            raise
+        build_data["force_include"].update(built)
+        build_data["pure_python"] = False
+        build_data["infer_tag"] = True
+
+    def _compile(self, work: Path) -> dict[str, str]:
+        """Compile the listed modules in ``work``: {extension's path: its path in the wheel}."""
         shutil.copytree(
             Path(self.root) / "flodl",
             work / "flodl",
@@ -105,9 +116,7 @@ class CompiledCoreHook(BuildHookInterface):
         # the shared runtime of a multi-module build (a top-level module, ``<hash>__mypyc``)
         for shared in [*work.glob("*__mypyc.*.so"), *work.glob("*__mypyc.*.pyd")]:
             built[str(shared)] = shared.name
-        build_data["force_include"].update(built)
-        build_data["pure_python"] = False
-        build_data["infer_tag"] = True
+        return built
 
     def finalize(self, version: str, build_data: dict[str, Any], artifact_path: str) -> None:
         work = getattr(self, "_work", None)
