@@ -52,9 +52,9 @@ from pathlib import Path
 from typing import Any
 
 from _common import (
-    REPO_ROOT,
     RESULTS_DIR,
     add_markdown_option,
+    build_compiled_core,
     ensure_repo_on_path,
     machine_info,
     print_table,
@@ -270,6 +270,14 @@ def _cores(rows: list[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(_core(r) for r in rows))
 
 
+def _bases(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each core's µs per rank at its smallest world size (the rows come smallest first)."""
+    bases: dict[str, float] = {}
+    for r in rows:
+        bases.setdefault(_core(r), r["cycle_us_per_rank"])
+    return bases
+
+
 def _frozen_text(rows: list[dict[str, Any]]) -> str:
     """How many objects the heap policy froze, at the largest world size measured."""
     top = max(rows, key=lambda r: r["world"])
@@ -331,8 +339,9 @@ def markdown(data: dict[str, Any]) -> str:
         ),
         "|---" * (12 + bool(core_head)) + "|",
     ]
+    bases = _bases(data["rows"])
     for r in data["rows"]:
-        base = next(b for b in data["rows"] if _core(b) == _core(r))["cycle_us_per_rank"]
+        base = bases[_core(r)]
         cell = f"{_core(r)} | " if core_head else ""
         lines.append(
             f"| {cell}{r['world']:,} | {r['cycles']} | {r['cycle_us']:,.0f} "
@@ -368,19 +377,6 @@ def _gc_cell(row: dict[str, Any]) -> str:
 
 
 SIZES = (8, 64, 512, 4096)
-
-
-def build_compiled(scratch: Path) -> Path:
-    """The compiled core built as a user builds it (the wheel, with the build hook on),
-    installed under ``scratch``; returns the directory to put first on ``sys.path``."""
-    wheels, site = scratch / "wheel", scratch / "site"
-    env = os.environ | {"HATCH_BUILD_HOOK_ENABLE_CUSTOM": "1"}
-    pip = [sys.executable, "-m", "pip", "-q"]
-    build = [*pip, "wheel", "--no-deps", "-w", str(wheels), str(REPO_ROOT)]
-    subprocess.run(build, env=env, check=True)
-    wheel = next(wheels.glob("flodl-*.whl"))
-    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True)
-    return site
 
 
 def child_sweep(core: str, site: Path | None, cycles: int, out: Path) -> list[dict[str, Any]]:
@@ -425,7 +421,7 @@ def main() -> None:
     if args.compiled:
         scratch = Path(tempfile.mkdtemp(prefix="bench-coord-"))
         try:
-            site = build_compiled(scratch)
+            site = build_compiled_core(scratch)
             for i in range(repeats):
                 for core in cores if i % 2 == 0 else cores[::-1]:  # (alternated)
                     where = site if core == "compiled" else None
@@ -438,7 +434,7 @@ def main() -> None:
             for w in SIZES:
                 runs[("interpreted", w)].append(measure(w, cycles))
     rows = [median_run(runs[(c, w)]) for c in cores for w in SIZES]
-    bases = {r["core"]: r["cycle_us_per_rank"] for r in rows if r["world"] == SIZES[0]}
+    bases = _bases(rows)
     print_table(
         "coordinator cost per averaging cycle (cpu_cadence, anchor 10, equal speeds)",
         [

@@ -9,6 +9,7 @@ repository, whose sources would otherwise come first)."""
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import os
 import subprocess
@@ -39,23 +40,17 @@ def listed_modules() -> list[str]:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The compiled wheel, built as a user builds it, installed in a scratch directory."""
-    scratch = tmp_path_factory.mktemp("compiled")
-    env = os.environ | {"HATCH_BUILD_HOOK_ENABLE_CUSTOM": "1"}
-    pip = [sys.executable, "-m", "pip", "-q"]
-    # at a low priority: two minutes of compiler on a core the other worker's tests share
-    subprocess.run(
-        ["nice", "-n", "10", *pip, "wheel", "--no-deps", "-w", str(scratch / "wheel"), str(REPO)],
-        env=env,
-        check=True,
-        timeout=780,
-    )
-    (wheel,) = (scratch / "wheel").glob("flodl-*.whl")
+    """The compiled wheel, built as a user builds it, installed in a scratch directory (by the
+    helper bench_coord builds it with)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        common = importlib.import_module("_common")
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+        sys.modules.pop("_common", None)
+    target: Path = common.build_compiled_core(tmp_path_factory.mktemp("compiled"), 780)
+    (wheel,) = (target.parent / "wheel").glob("flodl-*.whl")
     assert "-cp3" in wheel.name, wheel.name  # a platform wheel, not a pure-Python one
-    target = scratch / "site"
-    subprocess.run(
-        [*pip, "install", "--no-deps", "--target", str(target), str(wheel)], check=True, timeout=120
-    )
     return target
 
 
