@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import io
 import logging
 import os
@@ -261,23 +262,29 @@ class _Launcher:
         self.watchers: list[threading.Thread] = []
         self.over_box: list[RunOver] = []
         self.loop_box: list[asyncio.AbstractEventLoop] = []
+        self.serve_box: list[asyncio.Task[None]] = []
+        """The service thread's main task (cancelled when :meth:`start` fails)."""
         self.stopped = threading.Event()
 
     # ------------------------------------------------------------------ start
     def start(self) -> TrainerHandle:
-        port = self._start_service()
-        if not self.all_local:
-            # printed as well as logged: it must be seen even where logging is not configured
-            warning = (
-                f"coordinator listening on {self.bind_host}:{port} for ranks on other hosts: "
-                "traffic is authenticated (HMAC) but not encrypted; tunnel it across untrusted "
-                "networks"
-            )
-            logger.warning("%s", warning)
-            print(f"flodl: warning: {warning}", file=sys.stderr, flush=True)  # noqa: T201
-        self._spawn_ranks(port)
-        atexit.register(self.kill_all)
-        self._stop_children_on_sigterm()
+        try:
+            port = self._start_service()
+            if not self.all_local:
+                # printed as well as logged: it must be seen even where logging is not configured
+                warning = (
+                    f"coordinator listening on {self.bind_host}:{port} for ranks on other "
+                    "hosts: traffic is authenticated (HMAC) but not encrypted; tunnel it across "
+                    "untrusted networks"
+                )
+                logger.warning("%s", warning)
+                print(f"flodl: warning: {warning}", file=sys.stderr, flush=True)  # noqa: T201
+            atexit.register(self.kill_all)  # before the first child: none may outlive us
+            self._stop_children_on_sigterm()
+            self._spawn_ranks(port)
+        except BaseException:
+            self._abort_start()
+            raise
         for rank in range(len(self.procs)):
             watcher = threading.Thread(
                 target=self._watch, args=(rank,), name=f"flodl-watch-{rank}", daemon=True
@@ -295,6 +302,9 @@ class _Launcher:
 
         async def serve() -> None:
             self.loop_box.append(asyncio.get_running_loop())
+            task = asyncio.current_task()
+            assert task is not None
+            self.serve_box.append(task)
             try:
                 port = await service.start()
             except BaseException as exc:
@@ -311,6 +321,8 @@ class _Launcher:
                 import uvloop
 
                 uvloop.run(serve())
+            except asyncio.CancelledError:
+                logger.debug("coordinator service stopped: the launcher failed to start")
             except BaseException:
                 logger.exception("coordinator service failed")
             finally:
@@ -384,12 +396,18 @@ class _Launcher:
     ) -> subprocess.Popen[bytes]:
         worker = self.cluster.workers[slot.worker_index]
         pipe = subprocess.PIPE if piped else None
-        if self._is_local(slot):
-            full = {**inherited, **env, ENV_SECRET: self.secret.hex()}
-            return subprocess.Popen(_child_argv(), env=full, stdout=pipe, stderr=pipe)
-        from flodl.launch.ssh import spawn_ssh
+        try:
+            if self._is_local(slot):
+                full = {**inherited, **env, ENV_SECRET: self.secret.hex()}
+                return subprocess.Popen(_child_argv(), env=full, stdout=pipe, stderr=pipe)
+            from flodl.launch.ssh import spawn_ssh
 
-        return spawn_ssh(worker, _child_argv(), env, self.secret, stdout=pipe, stderr=pipe)
+            return spawn_ssh(worker, _child_argv(), env, self.secret, stdout=pipe, stderr=pipe)
+        except OSError as exc:  # no ssh on PATH, no such interpreter, out of processes...
+            how = "here" if self._is_local(slot) else "over ssh"
+            raise FlodlError(
+                f"could not start rank {slot.rank} on {worker.host} ({how}): {exc}"
+            ) from exc
 
     def _stop_children_on_sigterm(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -429,9 +447,29 @@ class _Launcher:
                 )
                 logger.warning("%s", message)
                 print(f"flodl: {message}", file=sys.stderr, flush=True)  # noqa: T201
-                self.procs[rank] = self._start_rank(rank, restarts)
+                try:
+                    self.procs[rank] = self._start_rank(rank, restarts)
+                except FlodlError as exc:  # the run goes on without it, as with no respawn
+                    logger.warning("rank %d stays dead: %s", rank, exc)
+                    print(f"flodl: rank {rank} stays dead: {exc}", file=sys.stderr, flush=True)  # noqa: T201
+                    return
 
     # ------------------------------------------------------------------ stop
+    def _abort_start(self) -> None:
+        """:meth:`start` failed: stop what it had started (the children, the service thread,
+        the dashboard) and remove the run directory, so that the error is all that is left."""
+        self.kill_all()
+        atexit.unregister(self.kill_all)
+        for pump in self.pumps:
+            pump.join(timeout=STOP_GRACE_S)
+        if self.loop_box and self.serve_box:
+            with contextlib.suppress(RuntimeError):  # the loop already ended on its own
+                self.loop_box[0].call_soon_threadsafe(self.serve_box[0].cancel)
+            self.stopped.wait(timeout=STOP_GRACE_S)
+        if self.monitor is not None:
+            self.monitor.close()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
     def kill_all(self) -> None:
         """Terminate every child still running; kill those that outlast the grace."""
         with self._procs_lock:

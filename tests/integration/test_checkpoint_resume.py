@@ -27,6 +27,7 @@ from resume_runs import (
     final_matches_bundle,
     forget_run,
     metrics,
+    processes_with,
     rank_batches,
     run,
     split_epochs,
@@ -149,19 +150,14 @@ def _wait_for_meta_epoch(stem: Path, epoch: int, limit_s: float) -> None:
         time.sleep(0.02)
 
 
-def _processes_with(tag: str) -> list[str]:
-    out = subprocess.run(
-        ["ps", "-ww", "-eo", "pid,args"], check=False, capture_output=True, text=True
-    )
-    return [line for line in out.stdout.splitlines() if tag in line and "ps -ww" not in line]
-
-
 @pytest.mark.timeout(240)
 def test_sigkill_of_the_launcher_then_resume_from_the_last_epoch_checkpoint(
     tmp_path: Path,
 ) -> None:
     n, stem, tag = 4096, tmp_path / "ck", f"flodl-test-{uuid.uuid4().hex}"
     args = ["--ranks", "2", "--epochs", "4", "--samples", str(n), "--save", str(stem)]
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     proc = subprocess.Popen(
         [
             *(sys.executable, str(SCRIPT), "--tag", tag, "--log-dir", str(tmp_path / "a")),
@@ -171,7 +167,8 @@ def test_sigkill_of_the_launcher_then_resume_from_the_last_epoch_checkpoint(
         stderr=subprocess.DEVNULL,
         text=True,
         cwd=REPO,
-        env={**os.environ, "FLODL_NET_TIMEOUT_SCALE": "0.1"},
+        # the launcher's run directory (tempfile) goes where this test can see and remove it
+        env={**os.environ, "FLODL_NET_TIMEOUT_SCALE": "0.1", "TMPDIR": str(scratch)},
     )
     try:
         seen = _wait_for(proc, r'^METRICS \{"epoch":1,', 120)
@@ -185,9 +182,13 @@ def test_sigkill_of_the_launcher_then_resume_from_the_last_epoch_checkpoint(
         proc.stdout.close()
     # the ranks notice their coordinator is gone and exit on their own (liveness timeout)
     deadline = time.monotonic() + 30
-    while _processes_with(tag) and time.monotonic() < deadline:
+    while processes_with(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _processes_with(tag) == []
+    assert processes_with(tag) == []
+    # a SIGKILLed launcher cannot remove its run directory; no rank delivered a final state
+    # into it (docs/design.md §2, "Launcher")
+    (run_dir,) = scratch.glob("flodl-*")
+    assert list(run_dir.iterdir()) == []
     deaths = checkpoint.death_records(stem)
     assert {d.rank for d in deaths} <= {0, 1}
     assert all("coordinator" in d.error for d in deaths)

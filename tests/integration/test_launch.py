@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from resume_runs import processes_with
 
 pytestmark = pytest.mark.integration
 
@@ -29,8 +30,10 @@ cluster:
 """
 
 
-def launch(yml: Path, *cmd: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "FLODL_LOCAL_HOSTS": "host-a,host-b"}
+def launch(
+    yml: Path, *cmd: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FLODL_LOCAL_HOSTS": "host-a,host-b", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "flodl", "launch", "--cluster", str(yml), "--", *cmd],
         capture_output=True,
@@ -69,3 +72,26 @@ def test_launch_without_a_command_is_a_usage_error(tmp_path: Path) -> None:
     out = launch(yml)
     assert out.returncode == 2
     assert "give the command to run" in out.stderr
+
+
+@pytest.mark.timeout(160)
+def test_a_rank_that_cannot_be_started_fails_the_launch_and_stops_the_others(
+    tmp_path: Path,
+) -> None:
+    # host-b is remote here and there is no ssh on PATH: rank 0 (host-a) is already running
+    # when rank 1's start fails; the launcher must stop it and the coordinator, remove its run
+    # directory, and say which rank could not start and why
+    yml = tmp_path / "fdl.cluster.yml"
+    yml.write_text(TWO_HOSTS)
+    empty, scratch = tmp_path / "bin", tmp_path / "tmp"
+    empty.mkdir()
+    scratch.mkdir()
+    tag = f"flodl-test-{uuid.uuid4().hex}"
+    env = {"FLODL_LOCAL_HOSTS": "host-a", "PATH": str(empty), "TMPDIR": str(scratch)}
+    cmd = (sys.executable, str(SCRIPT), "--tag", tag, "--ranks", "1", "--epochs", "2")
+    out = launch(yml, *cmd, env=env)
+    assert out.returncode != 0
+    assert "could not start rank 1 on host-b (over ssh)" in out.stderr, out.stderr[-3000:]
+    assert "'ssh'" in out.stderr  # the missing program, named
+    assert processes_with(tag) == []  # rank 0 was stopped before the launcher returned
+    assert list(scratch.iterdir()) == []  # no run directory left behind
