@@ -50,7 +50,7 @@ from flodl.wire.frames import (
     SyncAck,
     SyncNow,
     Throttle,
-    Update,
+    built_update,
 )
 
 __all__ = ["Averaging"]
@@ -329,14 +329,14 @@ class Averaging:
             step: CoordFrame = SetGlobalStep(global_step=g)
             out.extend(Send(r, step) for r in self.membership.alive())
             return
-        bare: CoordFrame = Update(version=number, next_plan=None, global_step=g)
+        bare: CoordFrame = built_update(number, None, g)
         get = fold_plans.get
         for r in self.membership.alive():
             plan = get(r)
             out.append(
                 Send(
                     r,
-                    bare if plan is None else Update(version=number, next_plan=plan, global_step=g),
+                    bare if plan is None else built_update(number, plan, g),
                 )
             )
 

@@ -62,7 +62,8 @@ from flodl.wire.frames import (
     ExtendPartition,
     PartitionRevoked,
     RevokePartition,
-    StartEpoch,
+    built_plan,
+    built_start_epoch,
 )
 
 __all__ = ["Dispatch", "ClosedEpoch", "OVERSHOOT_INITIAL"]
@@ -301,12 +302,12 @@ class Dispatch:
             for rng in ranges:
                 work.assign(rank, rng)
                 plan = self.plan(work.epoch, rng)
-                out.append(Send(rank, StartEpoch(plan=plan)))
+                out.append(Send(rank, built_start_epoch(plan)))
             self.refresh(rank)
 
     def plan(self, epoch: int, rng: BatchRange) -> EpochPlan:
         offset, size = to_samples(rng, self._bs)
-        return EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size)
+        return built_plan(epoch, offset, size)
 
     def pop_done_epoch(self) -> ClosedEpoch | None:
         """Close the lowest open epoch if every batch of it is committed."""
@@ -330,7 +331,7 @@ class Dispatch:
         the plan is also returned."""
         plan = self.take_chunk(rank, now, out)
         if plan is not None:
-            out.append(Send(rank, StartEpoch(plan=plan)))
+            out.append(Send(rank, built_start_epoch(plan)))
         return plan
 
     def dispatch_idle(self, now: float, out: list[Effect]) -> None:

@@ -360,6 +360,8 @@ class SimCluster:
                 self._keep_record(e)
             match e:
                 case Send(rank=rank, frame=frame):
+                    if self.check_invariants:
+                        self._check_frame(frame)
                     r = self.ranks[rank]
                     if r.alive and not r.exited and not isinstance(frame, CoordHeartbeat):
                         self._to_rank(rank, frame)
@@ -688,6 +690,17 @@ class SimCluster:
         self._push(self.now + self.heartbeat_s, "heartbeat", r.rank)
 
     # ------------------------------------------------------------------ invariants
+    def _check_frame(self, frame: CoordFrame) -> None:
+        """A frame the coordinator sends is one validation accepts, unchanged: the per-rank
+        frames are built without validation (``flodl.wire.frames.built_*``)."""
+        dumped = frame.__pydantic_serializer__.to_python(frame)
+        try:
+            again = type(frame).model_validate(dumped)
+        except ValueError as exc:
+            self._violate(f"the coordinator sent an invalid {frame.kind} frame: {exc}")
+        if again != frame:
+            self._violate(f"{frame.kind} frame changes under validation: {frame!r} → {again!r}")
+
     def _check(self) -> None:
         c = self.coord
         if self.trace.rank_failures:
