@@ -40,6 +40,7 @@ COMPILED_MODULES = (
     "flodl/coord/metrics.py",
     "flodl/coord/reporting.py",
     "flodl/coord/effects.py",
+    "flodl/coord/outbound.py",
     # what a cycle calls once
     "flodl/coord/phases.py",
     "flodl/coord/verdicts.py",

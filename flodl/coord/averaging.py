@@ -38,6 +38,7 @@ from flodl.coord.inputs import ReduceDone
 from flodl.coord.membership import Membership
 from flodl.coord.meta import MetaController
 from flodl.coord.metrics import WindowStats
+from flodl.coord.outbound import built_update
 from flodl.coord.verdicts import ConvergenceAction, NudgeDown, Stable
 from flodl.wire.frames import (
     Batch,
@@ -50,7 +51,6 @@ from flodl.wire.frames import (
     SyncAck,
     SyncNow,
     Throttle,
-    built_update,
 )
 
 __all__ = ["Averaging"]

@@ -46,6 +46,7 @@ from flodl.coord.ledger import (
     to_samples,
 )
 from flodl.coord.membership import Membership
+from flodl.coord.outbound import built_plan, built_start_epoch
 from flodl.coord.partition import (
     carve_ranges,
     chunk_batches,
@@ -62,8 +63,6 @@ from flodl.wire.frames import (
     ExtendPartition,
     PartitionRevoked,
     RevokePartition,
-    built_plan,
-    built_start_epoch,
 )
 
 __all__ = ["Dispatch", "ClosedEpoch", "OVERSHOOT_INITIAL"]

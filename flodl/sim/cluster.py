@@ -692,7 +692,7 @@ class SimCluster:
     # ------------------------------------------------------------------ invariants
     def _check_frame(self, frame: CoordFrame) -> None:
         """A frame the coordinator sends is one validation accepts, unchanged: the per-rank
-        frames are built without validation (``flodl.wire.frames.built_*``)."""
+        frames are built without validation (``flodl.coord.outbound``)."""
         dumped = frame.__pydantic_serializer__.to_python(frame)
         try:
             again = type(frame).model_validate(dumped)

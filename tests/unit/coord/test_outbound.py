@@ -12,16 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
+from flodl.coord.outbound import built_plan, built_start_epoch, built_update
 from flodl.wire.codec import decode_frame, encode_frame
-from flodl.wire.frames import (
-    MAX_U63,
-    EpochPlan,
-    StartEpoch,
-    Update,
-    built_plan,
-    built_start_epoch,
-    built_update,
-)
+from flodl.wire.frames import MAX_U63, EpochPlan, StartEpoch, Update
 
 SECRET = b"k" * 32
 counts = st.integers(min_value=0, max_value=MAX_U63)
