@@ -143,8 +143,10 @@ class Averaging:
         run.snapshot = self.dispatch.snapshot(rank)
         run.snapshot_cycle = number
         run.ack_session = ack.session
+        spare = run.spare
+        run.spare = None
         run.closed_window = run.window
-        run.window = WindowStats()
+        run.window = WindowStats() if spare is None else spare.reset()
         # No count-gate refresh here: nothing reads the gate while the cycle is pending, and
         # the finalize rebuilds every rank's flags (Dispatch.invalidate_cohort).
         if ack.divergence is not None:  # (the guard reads only the ranks that measured one)
@@ -316,8 +318,10 @@ class Averaging:
         self.sync_rounds += 1
         self.prev_sync_ms = sync_ms
         self.global_step += sum(steps)
+        windows = self.windows
         for r in self.membership.alive():
-            self.windows[r].closed_window = None
+            run = windows[r]
+            run.spare, run.closed_window = run.closed_window, None
 
     def release(self, number: int, out: list[Effect], fold_plans: dict[int, EpochPlan]) -> None:
         """Tell live ranks the cycle is over and the new global step: CPU modes send one

@@ -152,6 +152,9 @@ class RankWindow:
         step: the rank's latest step counter.
         window: accumulators of the window in progress (reset when the rank acks a cycle).
         closed_window: the window the rank closed with its ack, until the cycle finalizes.
+        spare: the window closed a cycle before, reset and reused by the next ack (one
+            allocation fewer per rank per cycle; nothing holds a closed window past its
+            finalize).
         snapshot: the rank's done count per open epoch when it entered the pending cycle
             (``snapshot_ready``, overwritten by its ``sync_ack``; where ranks wait for the
             update, taken at the ack or at the rank's death inside the cycle); what finalize
@@ -163,6 +166,7 @@ class RankWindow:
     step: int = 0
     window: WindowStats = field(default_factory=WindowStats)
     closed_window: WindowStats | None = None
+    spare: WindowStats | None = None
     snapshot: dict[int, int] | None = None
     snapshot_cycle: int = -1
     ack_session: int = 0

@@ -167,6 +167,14 @@ class WindowStats:
     first_ms: float | None = None
     samples: int = 0
 
+    def reset(self) -> WindowStats:
+        """Empty again, for the next window; returns itself."""
+        self.steps = 0
+        self.compute_ms = self.data_ms = self.loss_sum = 0.0
+        self.first_ms = None
+        self.samples = 0
+        return self
+
     def add(self, batch_ms: float, data_ms: float, loss: float, samples: int) -> None:
         if self.first_ms is None:
             self.first_ms = batch_ms + data_ms

@@ -151,6 +151,16 @@ def test_window_node_reports_means_and_throughput() -> None:
     assert w.first_ms == 12.0
 
 
+def test_a_reset_window_is_a_new_one() -> None:
+    # the coordinator reuses a rank's window of two cycles ago for its next one
+    w = WindowStats()
+    w.add(batch_ms=10.0, data_ms=2.0, loss=1.0, samples=32)
+    assert w.reset() is w
+    assert w == WindowStats()
+    w.add(batch_ms=4.0, data_ms=1.0, loss=2.0, samples=8)
+    assert w.first_ms == 5.0 and w.steps == 1
+
+
 def test_window_node_without_busy_time_omits_throughput() -> None:
     w = WindowStats()
     w.add(batch_ms=0.0, data_ms=0.0, loss=1.0, samples=32)
