@@ -8,10 +8,21 @@ naming the field (see :func:`validated`).
 from __future__ import annotations
 
 import math
+import types
+import typing
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from flodl.errors import ConfigError
 from flodl.modes import MODE_TRAITS, MODES, Backend, Mode, ModeTraits, Policy
@@ -59,8 +70,48 @@ class Reduction(StrEnum):
     MIN = "min"
 
 
+def _int_only(annotation: Any) -> bool:
+    """Whether a field's annotation takes integers and no bool (``int``, ``int | None``,
+    ``Annotated[int, …]``)."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) is not None else ()
+    if typing.get_origin(annotation) is Annotated:
+        return _int_only(args[0])
+    if args and typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        kinds = [_int_only(a) for a in args if a is not type(None)]
+        return any(kinds) and bool not in args
+    return annotation is int
+
+
+_INT_FIELDS: dict[type[BaseModel], frozenset[str]] = {}
+
+
+def refuse_bool_int(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """A ``field_validator("*", mode="before")`` body: refuse a bool given for an integer
+    field (pydantic's lax mode takes ``anchor: true`` as 1); returns ``value``.
+
+    Raises:
+        PydanticCustomError: a bool for an integer field (its location names the field).
+    """
+    if type(value) is not bool:
+        return value
+    fields = _INT_FIELDS.get(cls)
+    if fields is None:
+        fields = frozenset(n for n, f in cls.model_fields.items() if _int_only(f.annotation))
+        _INT_FIELDS[cls] = fields
+    if info.field_name in fields:
+        raise PydanticCustomError(
+            "int_not_bool", "must be an integer, got the bool {value}", {"value": str(value)}
+        )
+    return value
+
+
 class _Config(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_ints(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_bool_int(cls, value, info)
 
 
 _T = TypeVar("_T", bound=BaseModel)

@@ -43,11 +43,13 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 from pydantic_core import ErrorDetails
 
+from flodl.config import refuse_bool_int
 from flodl.errors import ConfigError
 from flodl.placement import Placement, device_kind
 
@@ -237,6 +239,11 @@ class _Model(BaseModel):
         if isinstance(data, Mapping) and "ranks" in data:
             raise _FieldError(("ranks",), RANKS_REJECTED)
         return data
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_ints(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_bool_int(cls, value, info)
 
 
 class SshSettings(_Model):
