@@ -83,6 +83,8 @@ __all__ = ["launch"]
 
 logger = logging.getLogger(__name__)
 
+SERVICE_START_S = 60.0
+"""How long the launcher waits for its coordinator thread to listen before giving up."""
 STOP_GRACE_S = 5.0
 """How long a terminated child has to exit before it is killed."""
 
@@ -329,7 +331,12 @@ class _Launcher:
                 self.stopped.set()
 
         threading.Thread(target=service_main, name="flodl-coord", daemon=True).start()
-        got = ready.get(timeout=60)
+        try:
+            got = ready.get(timeout=SERVICE_START_S)
+        except queue.Empty:
+            raise FlodlError(
+                f"the coordinator did not start listening within {SERVICE_START_S:g} s"
+            ) from None
         if isinstance(got, BaseException):
             raise FlodlError(f"the coordinator failed to start: {got}") from got
         return got

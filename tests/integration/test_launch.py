@@ -95,3 +95,43 @@ def test_a_rank_that_cannot_be_started_fails_the_launch_and_stops_the_others(
     assert "'ssh'" in out.stderr  # the missing program, named
     assert processes_with(tag) == []  # rank 0 was stopped before the launcher returned
     assert list(scratch.iterdir()) == []  # no run directory left behind
+
+
+HANGING_START = """
+import asyncio, sys, threading
+sys.path.insert(0, {here!r})
+import flodl.launch.launcher as launcher
+from flodl.service.coordinator import CoordinatorService
+from tiny_job import train
+
+async def never(self):
+    await asyncio.sleep(3600)
+
+CoordinatorService.start = never  # the coordinator thread never starts listening
+launcher.SERVICE_START_S = 0.5
+try:
+    train(lambda m, b: m(b[0]).sum(), samples=256, epochs=1, mode="cpu_cadence", ranks=2)
+except Exception as exc:
+    print("ERROR", type(exc).__name__, exc)
+print("THREADS", sorted(t.name for t in threading.enumerate()))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_that_does_not_start_fails_the_run_naming_it(tmp_path: Path) -> None:
+    script, scratch = tmp_path / "hang.py", tmp_path / "tmp"
+    script.write_text(HANGING_START.format(here=str(HERE)))
+    scratch.mkdir()
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+        cwd=REPO,
+        env={**os.environ, "TMPDIR": str(scratch)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ERROR FlodlError the coordinator did not start listening within 0.5 s" in out.stdout
+    assert "flodl-coord" not in out.stdout  # its thread was stopped, not left behind
+    assert list(scratch.iterdir()) == []  # nor its run directory
