@@ -257,6 +257,8 @@ class _Launcher:
         self._spawn_args: list[tuple[RankSlot, dict[str, str], dict[str, str], bool]] = []
         self._procs_lock = threading.Lock()
         self._stopping = False
+        self._sigterm: tuple[Any, Any] | None = None
+        """(our SIGTERM handler, the one it replaced) while installed."""
         """Set by :meth:`kill_all`: no respawn may start after it (it would be orphaned)."""
         self._restarts: dict[int, int] = {}
         """How many times each rank's process was respawned."""
@@ -430,6 +432,18 @@ class _Launcher:
             raise SystemExit(128 + signum)
 
         signal.signal(signal.SIGTERM, on_sigterm)
+        self._sigterm = (on_sigterm, previous)
+
+    def _restore_sigterm(self) -> None:
+        """The run is over: give SIGTERM back to the handler it had before (from the main
+        thread, and only if nobody replaced ours since), so that runs in one interpreter do
+        not chain a handler each."""
+        if self._sigterm is None or threading.current_thread() is not threading.main_thread():
+            return
+        ours, previous = self._sigterm
+        if signal.getsignal(signal.SIGTERM) is ours:
+            signal.signal(signal.SIGTERM, previous)
+        self._sigterm = None
 
     def _watch(self, rank: int) -> None:
         """Report each exit of ``rank``'s process; respawn a failed one while
@@ -467,6 +481,7 @@ class _Launcher:
         the dashboard) and remove the run directory, so that the error is all that is left."""
         self.kill_all()
         atexit.unregister(self.kill_all)
+        self._restore_sigterm()
         for pump in self.pumps:
             pump.join(timeout=STOP_GRACE_S)
         if self.loop_box and self.serve_box:
@@ -604,6 +619,7 @@ class _Launcher:
     def _join(self, finisher: threading.Thread) -> None:
         try:
             finisher.join()
+            self._restore_sigterm()
         except KeyboardInterrupt:
             for p in self.procs:
                 if p.poll() is None:

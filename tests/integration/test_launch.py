@@ -53,6 +53,7 @@ def test_launch_a_two_host_cluster_by_local_exec(tmp_path: Path) -> None:
     out = launch(yml, sys.executable, str(SCRIPT), "--tag", tag, "--ranks", "1", "--epochs", "2")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "DONE params=4 world=3" in out.stdout
+    assert "sigterm-restored=True" in out.stdout  # the launcher's SIGTERM handler is gone
     for rank in range(3):  # every rank's output arrives prefixed with its rank
         assert f"[rank {rank}] process rank={rank}" in out.stdout
 
@@ -98,7 +99,7 @@ def test_a_rank_that_cannot_be_started_fails_the_launch_and_stops_the_others(
 
 
 HANGING_START = """
-import asyncio, sys, threading
+import asyncio, signal, sys, threading
 sys.path.insert(0, {here!r})
 import flodl.launch.launcher as launcher
 from flodl.service.coordinator import CoordinatorService
@@ -114,6 +115,7 @@ try:
 except Exception as exc:
     print("ERROR", type(exc).__name__, exc)
 print("THREADS", sorted(t.name for t in threading.enumerate()))
+print("SIGTERM", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
 """
 
 
@@ -135,3 +137,4 @@ def test_a_coordinator_that_does_not_start_fails_the_run_naming_it(tmp_path: Pat
     assert "ERROR FlodlError the coordinator did not start listening within 0.5 s" in out.stdout
     assert "flodl-coord" not in out.stdout  # its thread was stopped, not left behind
     assert list(scratch.iterdir()) == []  # nor its run directory
+    assert "SIGTERM True" in out.stdout  # nor its SIGTERM handler

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import time
 
 import torch
@@ -85,9 +86,11 @@ def main() -> None:
     if args.lr_drop_at >= 0:
         drop = args.lr_drop_at
         builder = builder.scheduler_fn(lambda rank: lambda step: 0.1 if step < drop else 0.01)
+    sigterm = signal.getsignal(signal.SIGTERM)
     handle = builder.run()
     state = handle.join()
     print(f"DONE params={len(state.params)} world={handle.world_size}", flush=True)
+    print(f"sigterm-restored={signal.getsignal(signal.SIGTERM) is sigterm}", flush=True)
     exact = all(torch.equal(p, p.bfloat16().float()) for p in state.params)
     print(f"bf16-exact={exact}", flush=True)
 
