@@ -90,8 +90,11 @@ def processes_with(tag: str) -> list[str]:
 def run_script(
     tmp: Path, name: str, args: list[str], timeout_s: float = 200
 ) -> tuple[subprocess.CompletedProcess[str], str]:
-    """Run the chaos job script under a fresh tag; its output goes to ``tmp/<name>.*`` too."""
+    """Run the chaos job script under a fresh tag; its output goes to ``tmp/<name>.*`` too, its
+    launcher's run directory (tempfile) under ``tmp/<name>.tmp``."""
     tag = f"flodl-chaos-{uuid.uuid4().hex}"
+    scratch = tmp / f"{name}.tmp"
+    scratch.mkdir()
     out = subprocess.run(
         [sys.executable, str(SCRIPT), "--tag", tag, "--log-dir", str(tmp / name), *args],
         check=False,
@@ -99,7 +102,8 @@ def run_script(
         text=True,
         timeout=timeout_s,
         cwd=REPO,
-        env={**os.environ, "FLODL_NET_TIMEOUT_SCALE": "0.2"},  # heartbeat timeout 6 s
+        # heartbeat timeout 6 s
+        env={**os.environ, "FLODL_NET_TIMEOUT_SCALE": "0.2", "TMPDIR": str(scratch)},
     )
     (tmp / f"{name}.stdout").write_text(out.stdout)
     (tmp / f"{name}.stderr").write_text(out.stderr)
@@ -134,6 +138,7 @@ def test_a_run_survives_its_faults(mode: str, index: int, tmp_path: Path) -> Non
     while processes_with(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_with(tag) == [], "a process of the run outlived it"
+    assert list((tmp_path / "run.tmp").glob("flodl-*")) == []  # the run directory is removed
 
     tree = read_tree(records)
     events = [(p, r) for p, recs in tree.items() for r in recs if r["kind"] == "event"]

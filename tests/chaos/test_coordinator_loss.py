@@ -53,7 +53,9 @@ def test_killing_the_coordinator_stops_every_rank_and_the_run_resumes(
         *("--ranks", "3", "--mode", mode, "--epochs", "30", "--samples", "2048"),
         *("--save", str(stem), "--checkpoint-every", "1", "--slow", "0:10,1:10,2:10"),
     ]
-    env = {**os.environ, "FLODL_NET_TIMEOUT_SCALE": str(SCALE)}
+    scratch = tmp_path / "tmp"  # the launchers' run directories (tempfile) go here
+    scratch.mkdir()
+    env = {**os.environ, "FLODL_NET_TIMEOUT_SCALE": str(SCALE), "TMPDIR": str(scratch)}
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--tag", tag, "--log-dir", str(tmp_path / "a"), *args],
         stdout=subprocess.PIPE,
@@ -83,6 +85,9 @@ def test_killing_the_coordinator_stops_every_rank_and_the_run_resumes(
     while processes_with(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert processes_with(tag) == [], f"ranks still running {EXIT_WAIT_S:g} s after the kill"
+    # the killed launcher could not remove its run directory; no rank wrote into it
+    (killed,) = scratch.glob("flodl-*")
+    assert list(killed.iterdir()) == []
     deaths = checkpoint.death_records(stem)
     assert {d.rank for d in deaths} == {0, 1, 2}, deaths
     assert all("coordinator" in d.error.lower() for d in deaths), [d.error for d in deaths]
@@ -100,6 +105,7 @@ def test_killing_the_coordinator_stops_every_rank_and_the_run_resumes(
         env=env,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert list(scratch.glob("flodl-*")) == [killed]  # the resumed run removed its own
     epochs = [
         json.loads(line[8:])["epoch"]
         for line in resumed.stdout.splitlines()

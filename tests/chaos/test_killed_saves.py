@@ -55,10 +55,14 @@ def test_a_save_killed_between_two_writes_leaves_a_bundle_that_resumes(
     common += ["--save", str(stem), "--checkpoint-every", "1", "--slow", "0:3,1:3,2:3"]
     plan = ChaosPlan((Fault(fault, rank, epoch=ARMED_AT),), seed=0)
     first = run(tmp_path, "run", *common, "--epochs", str(EPOCHS), "--chaos", plan.to_env())
+    left = list((tmp_path / "run.tmp").glob("flodl-*"))  # the launcher's run directory
     if fault == "kill_coordinator_in_save":
         assert first.returncode != 0  # the launcher, and with it the coordinator, is gone
+        (run_dir,) = left  # a killed launcher cannot remove it; no rank wrote into it
+        assert list(run_dir.iterdir()) == []
     else:
         assert first.returncode == 0, first.stderr[-3000:]  # the save failed over
+        assert left == []
     meta = checkpoint.read_meta(stem, world_size=3)
     model = checkpoint.load_model(stem)  # the files the meta names, nothing else
     assert model.global_step == meta.global_step, (model.path, meta.bundle_tag)
