@@ -283,7 +283,7 @@ class _Launcher:
                 )
                 logger.warning("%s", warning)
                 print(f"flodl: warning: {warning}", file=sys.stderr, flush=True)  # noqa: T201
-            atexit.register(self.kill_all)  # before the first child: none may outlive us
+            atexit.register(self._at_exit)  # before the first child: none may outlive us
             self._stop_children_on_sigterm()
             self._spawn_ranks(port)
         except BaseException:
@@ -480,7 +480,7 @@ class _Launcher:
         """:meth:`start` failed: stop what it had started (the children, the service thread,
         the dashboard) and remove the run directory, so that the error is all that is left."""
         self.kill_all()
-        atexit.unregister(self.kill_all)
+        atexit.unregister(self._at_exit)
         self._restore_sigterm()
         for pump in self.pumps:
             pump.join(timeout=STOP_GRACE_S)
@@ -490,6 +490,13 @@ class _Launcher:
             self.stopped.wait(timeout=STOP_GRACE_S)
         if self.monitor is not None:
             self.monitor.close()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _at_exit(self) -> None:
+        """The interpreter exits before the run ended (a signal, an interrupt, an exception in
+        the user's code): stop the children and remove the run directory (the finisher, a
+        daemon thread, would not get to it)."""
+        self.kill_all()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def kill_all(self) -> None:
@@ -557,10 +564,12 @@ class _Launcher:
         except BaseException as exc:  # noqa: BLE001 - delivered to join()
             error = exc
         finally:
-            atexit.unregister(self.kill_all)
+            # removed before the exit hook goes: the interpreter may be exiting under us (a
+            # signal, an interrupt), and this daemon thread be stopped at any line
+            shutil.rmtree(self.run_dir, ignore_errors=True)
             if self.monitor is not None:
                 self.monitor.close()  # the service stopped: every record is in; archive, stop
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+            atexit.unregister(self._at_exit)
         self.handle._finish(state, error)
 
     def _load_finals(self, codes: list[int | None]) -> list[tuple[int, TrainedState]]:

@@ -254,7 +254,7 @@ def default_sigint() -> None:
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_to_the_launcher_stops_every_child(sig: signal.Signals) -> None:
+def test_a_signal_to_the_launcher_stops_every_child(sig: signal.Signals, tmp_path: Path) -> None:
     tag = f"flodl-test-{uuid.uuid4().hex}"
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--tag", tag, "--epochs", "200", "--samples", "20000"],
@@ -262,6 +262,7 @@ def test_a_signal_to_the_launcher_stops_every_child(sig: signal.Signals) -> None
         stderr=subprocess.DEVNULL,
         text=True,
         cwd=REPO,
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # where its run directory goes
         preexec_fn=default_sigint,  # noqa: PLW1509 - it only resets one signal (see there)
     )
     try:
@@ -279,6 +280,7 @@ def test_a_signal_to_the_launcher_stops_every_child(sig: signal.Signals) -> None
             time.sleep(0.1)
         assert processes_with(tag) == []
         assert proc.returncode != 0
+        assert list(tmp_path.glob("flodl-*")) == []  # the launcher removed its run directory
     finally:
         if proc.poll() is None:
             proc.kill()
