@@ -257,9 +257,9 @@ class _Launcher:
         self._spawn_args: list[tuple[RankSlot, dict[str, str], dict[str, str], bool]] = []
         self._procs_lock = threading.Lock()
         self._stopping = False
+        """Set by :meth:`kill_all`: no respawn may start after it (it would be orphaned)."""
         self._sigterm: tuple[Any, Any] | None = None
         """(our SIGTERM handler, the one it replaced) while installed."""
-        """Set by :meth:`kill_all`: no respawn may start after it (it would be orphaned)."""
         self._restarts: dict[int, int] = {}
         """How many times each rank's process was respawned."""
         self.pumps: list[threading.Thread] = []
