@@ -42,6 +42,8 @@ __all__ = [
     "JobSpec",
     "OuterConfig",
     "validated",
+    "IntsNotBools",
+    "refuse_bool_int",
     "DEFAULT_BATCH_SIZE",
     "DEFAULT_MODE",
     "DEFAULT_ANCHOR",
@@ -86,8 +88,8 @@ _INT_FIELDS: dict[type[BaseModel], frozenset[str]] = {}
 
 
 def refuse_bool_int(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
-    """A ``field_validator("*", mode="before")`` body: refuse a bool given for an integer
-    field (pydantic's lax mode takes ``anchor: true`` as 1); returns ``value``.
+    """:class:`IntsNotBools`'s ``field_validator("*", mode="before")``: refuse a bool given for
+    an integer field (pydantic's lax mode takes ``anchor: true`` as 1); returns ``value``.
 
     Raises:
         PydanticCustomError: a bool for an integer field (its location names the field).
@@ -105,13 +107,18 @@ def refuse_bool_int(cls: type[BaseModel], value: Any, info: ValidationInfo) -> A
     return value
 
 
-class _Config(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+class IntsNotBools(BaseModel):
+    """Base of every settings model: a bool given for an integer field is refused, naming the
+    field (:func:`refuse_bool_int`)."""
 
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_ints(cls, value: Any, info: ValidationInfo) -> Any:
         return refuse_bool_int(cls, value, info)
+
+
+class _Config(IntsNotBools):
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
 
 _T = TypeVar("_T", bound=BaseModel)

@@ -12,18 +12,18 @@ import sys
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from flodl.chaos import ChaosPlan
 from flodl.config import (
     DEFAULT_BATCH_SIZE,
     CoordConfig,
     ElCheConfig,
+    IntsNotBools,
     JobSpec,
     MaxFailure,
     OuterConfig,
     Reduction,
-    refuse_bool_int,
     validated,
 )
 from flodl.coord.metrics import REDUCTIONS
@@ -37,15 +37,10 @@ from flodl.wire.frames import EpochMetrics
 __all__ = ["TrainerConfig", "job_spec", "coord_config", "monitor_session"]
 
 
-class TrainerConfig(BaseModel):
+class TrainerConfig(IntsNotBools):
     """Every knob of a run (the config-bag form of the builder). Validated at ``run()``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_ints(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse_bool_int(cls, value, info)
 
     dataset: Any
     batch_size: Annotated[int, Field(ge=1)] = DEFAULT_BATCH_SIZE

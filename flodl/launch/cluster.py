@@ -43,13 +43,12 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
 from pydantic_core import ErrorDetails
 
-from flodl.config import refuse_bool_int
+from flodl.config import IntsNotBools
 from flodl.errors import ConfigError
 from flodl.placement import Placement, device_kind
 
@@ -230,7 +229,7 @@ def _host_identity(host: str, local_names: AbstractSet[str] = frozenset()) -> st
 # models ---------------------------------------------------------------------------------------
 
 
-class _Model(BaseModel):
+class _Model(IntsNotBools):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     @model_validator(mode="before")
@@ -239,11 +238,6 @@ class _Model(BaseModel):
         if isinstance(data, Mapping) and "ranks" in data:
             raise _FieldError(("ranks",), RANKS_REJECTED)
         return data
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_ints(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse_bool_int(cls, value, info)
 
 
 class SshSettings(_Model):
