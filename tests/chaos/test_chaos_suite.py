@@ -81,8 +81,9 @@ def plan_for(mode: str, index: int) -> tuple[ChaosPlan, dict[str, Any]]:
 
 
 def processes_with(tag: str) -> list[str]:
+    """Processes whose command line holds ``tag`` (a run's ``--tag``)."""
     out = subprocess.run(
-        ["ps", "-ww", "-eo", "pid,args"], check=False, capture_output=True, text=True
+        ["ps", "-ww", "-eo", "pid,args"], check=True, capture_output=True, text=True
     )
     return [line for line in out.stdout.splitlines() if tag in line and "ps -ww" not in line]
 

@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from test_chaos_suite import processes_with
 
 from flodl import checkpoint
 from flodl.monitor.records import read_tree
@@ -33,13 +34,6 @@ SCRIPT = REPO / "tests" / "integration" / "callbacks_main.py"
 SCALE = 0.1  # liveness timeout 3 s
 EXIT_WAIT_S = 90.0
 """Generous bound on the ranks' own exit after the kill (liveness 3 s + hard-exit grace)."""
-
-
-def processes_with(tag: str) -> list[str]:
-    out = subprocess.run(
-        ["ps", "-ww", "-eo", "pid,args"], check=False, capture_output=True, text=True
-    )
-    return [line for line in out.stdout.splitlines() if tag in line and "ps -ww" not in line]
 
 
 @pytest.mark.timeout(400)

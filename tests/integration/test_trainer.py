@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from resume_runs import processes_with
 
 from flodl import ConfigError, ElCheConfig, EpochMetrics, Trainer, TrainerConfig, record_scalar
 from flodl.data import TensorBatchDataset
@@ -50,13 +51,6 @@ def step(m: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
     loss = F.cross_entropy(m(batch[0]), batch[1])
     record_scalar("batch_rows", float(batch[0].shape[0]))
     return loss
-
-
-def processes_with(tag: str) -> list[str]:
-    out = subprocess.run(
-        ["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True, check=True
-    )
-    return [line for line in out.stdout.splitlines() if tag in line and "ps -eo" not in line]
 
 
 def run_script(
