@@ -109,6 +109,8 @@ class _SimRank:
     busy_s: float = 0.0
     samples: int = 0
     reduce_seq: int = 0
+    reduce_deadline: float | None = None
+    """When the CPU reduce the rank is in times out (``data_io_s`` after it began)."""
     killed_at: float | None = None
 
     @property
@@ -241,6 +243,8 @@ class SimCluster:
         self.now = 0.0
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = 0
+        self._reduce_watch_armed = False
+        """Whether a ``reduce_timeout`` event is queued (at most one: :meth:`_reduce_watch`)."""
         self._digest = hashlib.sha256()
         self._book = RoundBook(world_size)
         self._collective: dict[tuple[int, int], set[int]] = {}
@@ -342,7 +346,7 @@ class SimCluster:
         elif kind == "collective_failed":
             self._collective_failed(payload)
         elif kind == "reduce_timeout":
-            self._reduce_timeout(payload)
+            self._reduce_watch()
         elif kind == "callback_done":
             self._callback_done(self.ranks[payload[0]], payload[1])
         elif kind == "launcher":
@@ -552,7 +556,10 @@ class SimCluster:
             if problem is not None:
                 self._rank_fails(r, f"upload refused: {problem}")
                 return
-            self._push(self.now + self.timeouts.data_io_s, "reduce_timeout", (r.rank, r.reduce_seq))
+            r.reduce_deadline = self.now + self.timeouts.data_io_s
+            if not self._reduce_watch_armed:  # (an armed watch is never later than this one)
+                self._reduce_watch_armed = True
+                self._push(r.reduce_deadline, "reduce_timeout", None)
             contributors = self._book.upload(r.rank, cycle)
             if contributors is not None:
                 self._round_complete(cycle, contributors)
@@ -615,13 +622,33 @@ class SimCluster:
                 self._to_coord(r.proto.end_reduce(cycle, divergence=d))
             self._step(r)
 
-    def _reduce_timeout(self, payload: tuple[int, int]) -> None:
-        rank, seq = payload
-        r = self.ranks[rank]
-        if r.running and r.busy == "reduce" and r.reduce_seq == seq:
-            self._rank_fails(
-                r, f"reduce round {r.reduce_cycle} timed out ({self.timeouts.data_io_s:g} s)"
-            )
+    def _reduce_watch(self) -> None:
+        """The reduce watchdog: every rank still in a CPU reduce it began ``data_io_s`` ago
+        fails, as a rank's data-plane read times out; the watch re-arms at the earliest deadline
+        of a rank still reducing.
+
+        One queued event for all ranks, not one per rank per cycle: those were cancelled only
+        by being ignored when they fired, so the event queue held ``world × data_io_s / cycle``
+        dead timers (at 4,096 ranks, 160,000 of them, all garbage the collector's passes
+        traversed). Deadlines only grow (``now + data_io_s``), so a watch armed at the earliest
+        one is never late for a rank that begins later, and each rank still fails exactly at
+        its deadline."""
+        self._reduce_watch_armed = False
+        for r in self.ranks:
+            at = r.reduce_deadline
+            if at is not None and at <= self.now and r.running and r.busy == "reduce":
+                r.reduce_deadline = None
+                self._rank_fails(
+                    r, f"reduce round {r.reduce_cycle} timed out ({self.timeouts.data_io_s:g} s)"
+                )
+        pending = [
+            r.reduce_deadline
+            for r in self.ranks
+            if r.reduce_deadline is not None and r.running and r.busy == "reduce"
+        ]
+        if pending:
+            self._reduce_watch_armed = True
+            self._push(min(pending), "reduce_timeout", None)
 
     def _rank_fails(self, r: _SimRank, why: str) -> None:
         """A rank dies on its own (its process exits 1 with a death record)."""

@@ -254,3 +254,41 @@ def test_reports_per_epoch_gives_every_epoch_that_many_reports_however_few_its_c
     assert per_epoch == [[0.25, 0.5, 0.75, 1.0]] * 3, per_epoch
     if mode in ("cpu_cadence", "nccl_cadence"):
         assert tr.cycles < 3 * 4  # fewer averaging rounds than reports: reports follow batches
+
+
+CPU_MODES = [m for m in MODES if m.startswith("cpu_")]
+
+
+@pytest.mark.parametrize("mode", CPU_MODES)
+def test_a_cpu_reduce_slower_than_the_data_io_timeout_fails_each_rank_at_its_own_deadline(
+    mode: str,
+) -> None:
+    # heartbeat timeout 10 s → data-plane timeout 40 s; the initial broadcast's round takes 41 s
+    args: dict[str, Any] = {"seed": 5, "heartbeat_timeout_s": 10.0, "check_invariants": False}
+    slow = _run(mode, [10.0, 10.0, 20.0], reduce_ms=41_000.0, **args)
+    assert not slow.ok
+    assert sorted(rank for _, rank, _ in slow.rank_failures) == [0, 1, 2]
+    assert {why for _, _, why in slow.rank_failures} == {"reduce round 0 timed out (40 s)"}
+    at = [t for t, _, _ in slow.rank_failures]
+    # each rank began its round when its frames arrived (sub-ms network delays apart) and
+    # fails 40 s later, at its own instant: one watch for all ranks, never batched or late
+    assert at == sorted(at) and len(set(at)) == 3
+    assert all(40.0 < t < 40.01 for t in at), at
+    # a round just inside the timeout fails nobody
+    fast = _run(mode, [10.0, 10.0, 20.0], reduce_ms=39_000.0, **args)
+    assert fast.ok, fast.reason
+    assert fast.rank_failures == []
+
+
+def test_the_event_queue_holds_no_dead_reduce_timers() -> None:
+    """A CPU reduce's timeout is one queued event for all ranks, not one per rank per cycle
+    left in the queue until its 4 × heartbeat deadline (120 s of virtual time by default):
+    those made the queue, and the garbage the collector traverses, grow with world × cycles."""
+    sim = SimCluster(8, "cpu_cadence", [10.0] * 8, dataset_len=8 * 10 * 40, batch_size=1,
+                     epochs=1, seed=1)  # fmt: skip
+    tr = sim.run()
+    assert tr.ok, tr.reason
+    assert tr.cycles >= 30
+    # the run lasted well under 120 virtual s: per-rank timers would all still be queued
+    assert tr.wall_s < 100.0
+    assert sum(1 for event in sim._heap if event[2] == "reduce_timeout") <= 1
