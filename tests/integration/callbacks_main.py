@@ -10,12 +10,15 @@ state to ``--out``.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +47,21 @@ OUTERS = {
 }
 
 
+def _fail_respawns() -> None:
+    """Make this launcher's start of a respawned rank fail as ``fork`` does when the host is
+    out of processes (the first incarnations start normally)."""
+    real = subprocess.Popen
+
+    class FailingRespawn(real):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            env = kwargs.get("env") or {}
+            if env.get("FLODL_RESTART_COUNT", "0") != "0":
+                raise OSError(errno.EAGAIN, "Resource temporarily unavailable (injected)")
+            super().__init__(*args, **kwargs)
+
+    subprocess.Popen = FailingRespawn  # type: ignore[misc]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tag", required=True)
@@ -65,6 +83,11 @@ def main() -> None:
     )
     p.add_argument("--crash-kill", action="store_true", help="crash by SIGKILL, not an exception")
     p.add_argument("--respawn", type=int, help="TrainerConfig.respawn")
+    p.add_argument(
+        "--respawn-fails",
+        action="store_true",
+        help="the launcher cannot start a respawned rank (its process start raises EAGAIN)",
+    )
     p.add_argument("--log-dir", required=True)
     p.add_argument("--eval", action="store_true")
     p.add_argument("--eval-every", type=int)
@@ -186,6 +209,8 @@ def main() -> None:
         b = b.checkpoint_every(args.checkpoint_every)
     if args.respawn is not None:
         b = b.respawn(args.respawn)
+    if args.respawn_fails:
+        _fail_respawns()
     if args.max_failure_abs:
         b = b.max_failure(MaxFailure(absolute=args.max_failure_abs))
     if args.eval:

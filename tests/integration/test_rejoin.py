@@ -149,3 +149,39 @@ def test_a_respawn_still_starting_when_the_run_ends_is_stopped_not_waited_for(
     assert done(out.stdout)["save_reason"] is None
     assert took < 50, took  # not the 60 s restart, nor the 40 s the watchers may be waited for
     assert processes_with(tag) == [], "the respawned process outlived the run"
+
+
+@pytest.mark.timeout(120)
+def test_a_respawn_that_cannot_start_leaves_the_rank_dead_and_the_run_going(
+    tmp_path: Path,
+) -> None:
+    """Rank 2 is killed and the launcher cannot start its respawn (the host is out of
+    processes: ``fork`` fails with EAGAIN). The run goes on without it, as with no respawn:
+    the launcher says the rank stays dead and why, its watcher does not die with a
+    traceback, every sample is still trained and no process outlives the run."""
+    tag = f"flodl-test-{uuid.uuid4().hex}"
+    records = tmp_path / "records"
+    out = run(
+        tmp_path,
+        "a",
+        *("--mode", "cpu_cadence", "--epochs", "2", "--samples", "2048", "--ranks", "3"),
+        *("--respawn", "1", "--respawn-fails", "--records", str(records)),
+        *("--crash-rank", "2", "--crash-step", "5", "--crash-kill"),
+        tag=tag,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "rank 2 exited with code -9: respawning it (1 of 1); it rejoins the run" in out.stderr
+    stays = (
+        "flodl: rank 2 stays dead: could not start rank 2 on 127.0.0.1 (here): [Errno 11] "
+        "Resource temporarily unavailable (injected)"
+    )
+    assert stays in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    assert done(out.stdout) == {"save_reason": None, "replicas_agree": True}
+    tree = read_tree(records)
+    classes = [r["data"]["class"] for recs in tree.values() for r in recs if r["kind"] == "event"]
+    assert "rank_lost" in classes and "rank_rejoined" not in classes
+    assert "coverage" not in classes
+    counts = Counter(i for r in range(3) for b in rank_batches(tmp_path / "a", r) for i in b)
+    assert set(counts) == set(range(2048))
+    assert processes_with(tag) == [], "a process of the run outlived it"
