@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -100,6 +101,15 @@ def processes_with(tag: str) -> list[str]:
         ["ps", "-ww", "-eo", "pid,args"], check=True, capture_output=True, text=True
     )
     return [line for line in out.stdout.splitlines() if tag in line and "ps -ww" not in line]
+
+
+def left_running(tag: str, within_s: float) -> list[str]:
+    """The processes of the run tagged ``tag`` still running after up to ``within_s`` for
+    them to exit on their own (checked every 0.2 s; the first empty check ends the wait)."""
+    deadline = time.monotonic() + within_s
+    while (left := processes_with(tag)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
 
 
 def rank_batches(log_dir: Path, rank: int) -> list[list[int]]:

@@ -26,8 +26,8 @@ from resume_runs import (
     done,
     final_matches_bundle,
     forget_run,
+    left_running,
     metrics,
-    processes_with,
     rank_batches,
     run,
     split_epochs,
@@ -181,10 +181,7 @@ def test_sigkill_of_the_launcher_then_resume_from_the_last_epoch_checkpoint(
         assert proc.stdout is not None
         proc.stdout.close()
     # the ranks notice their coordinator is gone and exit on their own (liveness timeout)
-    deadline = time.monotonic() + 30
-    while processes_with(tag) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_with(tag) == []
+    assert left_running(tag, 30) == []
     # a SIGKILLed launcher cannot remove its run directory; no rank delivered a final state
     # into it (docs/design.md §2, "Launcher")
     (run_dir,) = scratch.glob("flodl-*")

@@ -19,6 +19,7 @@ from resume_runs import (
     PARITY_MODES,
     done,
     evals,
+    left_running,
     processes_with,
     rank_batches,
     run,
@@ -57,10 +58,8 @@ def test_a_killed_rank_is_respawned_rejoins_and_trains_to_the_end(
     assert out.returncode == 0, out.stderr[-4000:]
     assert done(out.stdout) == {"save_reason": None, "replicas_agree": True}
     assert "rank 2 exited with code -9: respawning it (1 of 1); it rejoins the run" in out.stderr
-    deadline = time.monotonic() + 15  # rank processes exit on their own, promptly
-    while processes_with(tag) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_with(tag) == [], "a process of the run outlived it"
+    # rank processes exit on their own, promptly
+    assert left_running(tag, 15) == [], "a process of the run outlived it"
 
     tree = read_tree(records)
     root = tree["root"]
@@ -184,4 +183,4 @@ def test_a_respawn_that_cannot_start_leaves_the_rank_dead_and_the_run_going(
     assert "coverage" not in classes
     counts = Counter(i for r in range(3) for b in rank_batches(tmp_path / "a", r) for i in b)
     assert set(counts) == set(range(2048))
-    assert processes_with(tag) == [], "a process of the run outlived it"
+    assert left_running(tag, 15) == [], "a process of the run outlived it"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from resume_runs import processes_with
+from resume_runs import left_running, processes_with
 
 from flodl import ConfigError, ElCheConfig, EpochMetrics, Trainer, TrainerConfig, record_scalar
 from flodl.data import TensorBatchDataset
@@ -269,10 +269,7 @@ def test_a_signal_to_the_launcher_stops_every_child(sig: signal.Signals, tmp_pat
         assert len(processes_with(tag)) == 4  # the launcher and its 3 ranks
         proc.send_signal(sig)
         proc.wait(timeout=30)
-        deadline = time.perf_counter() + 15
-        while processes_with(tag) and time.perf_counter() < deadline:
-            time.sleep(0.1)
-        assert processes_with(tag) == []
+        assert left_running(tag, 15) == []
         assert proc.returncode != 0
         assert list(tmp_path.glob("flodl-*")) == []  # the launcher removed its run directory
     finally:
