@@ -628,11 +628,11 @@ class SimCluster:
         of a rank still reducing.
 
         One queued event for all ranks, not one per rank per cycle: those were cancelled only
-        by being ignored when they fired, so the event queue held ``world × data_io_s / cycle``
-        dead timers (at 4,096 ranks, 160,000 of them, all garbage the collector's passes
-        traversed). Deadlines only grow (``now + data_io_s``), so a watch armed at the earliest
-        one is never late for a rank that begins later, and each rank still fails exactly at
-        its deadline."""
+        by being ignored when they fired, so the event queue held up to ``world × data_io_s /
+        cycle`` dead timers (90,112 by the end of bench_coord's 4,096-rank run, garbage the
+        collector's passes traversed). Deadlines only grow (``now + data_io_s``), so a watch
+        armed at the earliest one is never late for a rank that begins later, and each rank
+        still fails exactly at its deadline."""
         self._reduce_watch_armed = False
         for r in self.ranks:
             at = r.reduce_deadline
