@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from flodl.config import DEFAULT_BATCH_SIZE, CoordConfig, ElCheConfig, MaxFailure, validated
-from flodl.coord.cycle import should_average
 from flodl.coord.effects import (
     Alert,
     Effect,
@@ -51,8 +50,7 @@ from flodl.coord.effects import (
     Send,
 )
 from flodl.coord.inputs import ChildExited, ReduceDone
-from flodl.coord.liveness import RankState
-from flodl.coord.machine import Coordinator, RunPhase
+from flodl.coord.machine import Coordinator
 from flodl.coord.resume import ResumeState
 from flodl.coord.rounds import RoundBook
 from flodl.errors import InvariantViolation
@@ -67,6 +65,7 @@ from flodl.rank.protocol import (
     Stop,
     Train,
 )
+from flodl.sim.invariants import frame_violation, state_violation
 from flodl.sim.trace import Failure, SimTrace
 from flodl.timeouts import HEARTBEAT_INTERVAL_S, Timeouts
 from flodl.wire.frames import (
@@ -313,7 +312,16 @@ class SimCluster:
             if events > max_events:
                 raise InvariantViolation(f"seed={self.seed}: over {max_events} events")
             if self.check_invariants:
-                self._check()
+                self._check(
+                    state_violation(
+                        self.coord,
+                        self.traits,
+                        self.trace,
+                        world=len(self.ranks),
+                        stall_ceiling_s=self.config.stall_ceiling_s,
+                        now=self.now,
+                    )
+                )
         self.trace.wall_s = self.now
         self.trace.busy_s = [r.busy_s for r in self.ranks]
         self.trace.idle_s = [max(0.0, self.now - r.busy_s) for r in self.ranks]
@@ -365,7 +373,7 @@ class SimCluster:
             match e:
                 case Send(rank=rank, frame=frame):
                     if self.check_invariants:
-                        self._check_frame(frame)
+                        self._check(frame_violation(frame))
                     r = self.ranks[rank]
                     if r.alive and not r.exited and not isinstance(frame, CoordHeartbeat):
                         self._to_rank(rank, frame)
@@ -717,57 +725,10 @@ class SimCluster:
         self._push(self.now + self.heartbeat_s, "heartbeat", r.rank)
 
     # ------------------------------------------------------------------ invariants
-    def _check_frame(self, frame: CoordFrame) -> None:
-        """A frame the coordinator sends is one validation accepts, unchanged: the per-rank
-        frames are built without validation (``flodl.coord.outbound``)."""
-        dumped = frame.__pydantic_serializer__.to_python(frame)
-        try:
-            again = type(frame).model_validate(dumped)
-        except ValueError as exc:
-            self._violate(f"the coordinator sent an invalid {frame.kind} frame: {exc}")
-        if again != frame:
-            self._violate(f"{frame.kind} frame changes under validation: {frame!r} → {again!r}")
-
-    def _check(self) -> None:
-        c = self.coord
-        if self.trace.rank_failures:
-            t, rank, why = self.trace.rank_failures[0]
-            self._violate(f"rank {rank} failed without a fault at {t:.4f} s: {why}")
-        if c.phase is RunPhase.FORMING:
-            return
-        barrier = self.traits.barrier_paced
-        works = c.dispatch.works
-        for e, work in works.items():
-            report = work.coverage_report()
-            if not report.ok:
-                self._violate(f"epoch {e} ledger broken: {report}")
-            for rank in range(len(self.ranks)):
-                dead = c.membership.state(rank) is RankState.DEAD
-                if dead and rank not in c.averaging.deferred_forfeit and work.pending(rank):
-                    self._violate(f"dead rank {rank} still holds work in epoch {e}")
-                if rank in c.membership.awaiting and work.pending(rank):
-                    self._violate(f"rank {rank} holds work before it has the consensus")
-                if barrier and c.progressive and len(work.outstanding(rank)) > 1:
-                    self._violate(f"rank {rank} has more than one chunk in flight (epoch {e})")
-        if barrier and c.phase is RunPhase.TRAINING and len(works) > 1:
-            self._violate(f"barrier-paced run has epochs {sorted(works)} open at once")
-        if c.phase is RunPhase.TRAINING and not c.cycle.pending:
-            expected = should_average(
-                one_step=self.traits.one_step_gate,
-                alive=c.membership.alive(),
-                window_steps=[r.window.steps for r in c.windows],
-                counts=[max(1, n) for n in c.elche.batch_counts],
-                quiesced=[c.in_flight(r) == 0 for r in range(len(self.ranks))],
-                chunked=self.traits.chunk_is_window and c.progressive,
-            )
-            if expected != c.gate_open():
-                self._violate(f"incremental count gate {c.gate_open()} != should_average")
-        stall = c.cycle.stall_deadline(self.config.stall_ceiling_s)
-        if stall is not None and self.now > stall + 1e-9 and c.save_reason is None:
-            self._violate("a cycle stayed pending past the stall ceiling")
-        for cov_ok in self.trace.coverage_ok:
-            if not cov_ok:
-                self._violate("an epoch closed without exact coverage")
+    def _check(self, problem: str | None) -> None:
+        """Raise ``problem`` (a check of ``flodl.sim.invariants`` found one)."""
+        if problem is not None:
+            self._violate(problem)
 
     def _violate(self, what: str) -> None:
         raise InvariantViolation(f"seed={self.seed} mode={self.mode} t={self.now:.4f}: {what}")
