@@ -5,6 +5,8 @@ every frame it sends. Each check returns the first violation it finds, in words,
 
 from __future__ import annotations
 
+from pydantic_core import PydanticSerializationError
+
 from flodl.coord.cycle import should_average
 from flodl.coord.liveness import RankState
 from flodl.coord.machine import Coordinator, RunPhase
@@ -17,8 +19,12 @@ __all__ = ["frame_violation", "state_violation"]
 
 def frame_violation(frame: CoordFrame) -> str | None:
     """A frame the coordinator sends is one validation accepts, unchanged: the per-rank frames
-    are built without validation (``flodl.coord.outbound``)."""
-    dumped = frame.__pydantic_serializer__.to_python(frame)
+    are built without validation (``flodl.coord.outbound``). A field holding a value of
+    another type than its model declares is one too (pydantic would only warn as it dumps)."""
+    try:
+        dumped = frame.__pydantic_serializer__.to_python(frame, warnings="error")
+    except PydanticSerializationError as exc:
+        return f"the coordinator sent a {frame.kind} frame with a field of the wrong type: {exc}"
     try:
         again = type(frame).model_validate(dumped)
     except ValueError as exc:
