@@ -4,11 +4,13 @@ refuse or change is caught in the run that sends it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from flodl.coord import averaging, dispatch
+from flodl.coord.effects import Effect, Send
+from flodl.coord.machine import Coordinator
 from flodl.coord.outbound import built_plan, built_start_epoch
 from flodl.errors import InvariantViolation
 from flodl.sim import SimCluster
@@ -89,28 +91,52 @@ def test_an_epoch_closed_without_exact_coverage_is_named() -> None:
     assert _state(sim) == "an epoch closed without exact coverage"
 
 
-@pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_cadence"])
-def test_a_run_whose_coordinator_sends_an_invalid_plan_stops_naming_it(
-    mode: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def broken(epoch: int, offset: int, size: int) -> EpochPlan:
-        return EpochPlan.model_construct(epoch=epoch, partition_offset=offset, partition_size=-size)
+class _Corrupting:
+    """The coordinator, with every frame of ``kind`` it sends replaced by ``corrupt(frame)``:
+    a wrapper on the simulator's side, since the compiled core's calls cannot be patched."""
 
-    monkeypatch.setattr(dispatch, "built_plan", broken)
+    def __init__(self, coord: Coordinator, kind: str, corrupt: Callable[[Any], Any]) -> None:
+        self._coord, self._kind, self._corrupt = coord, kind, corrupt
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._coord, name)
+
+    def handle(self, event: Any, now: float) -> list[Effect]:
+        return [
+            Send(e.rank, self._corrupt(e.frame))
+            if isinstance(e, Send) and e.frame.kind == self._kind
+            else e
+            for e in self._coord.handle(event, now)
+        ]
+
+
+def _corrupted_run(mode: str, kind: str, corrupt: Callable[[Any], Any]) -> SimCluster:
     sim = SimCluster(2, mode, [10.0, 10.0], dataset_len=640, batch_size=32, epochs=1, seed=1)
-    with pytest.raises(InvariantViolation, match=r"the coordinator sent an invalid \w+ frame"):
+    sim.coord = _Corrupting(sim.coord, kind, corrupt)  # type: ignore[assignment]
+    return sim
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_cadence"])
+def test_a_run_whose_coordinator_sends_an_invalid_plan_stops_naming_it(mode: str) -> None:
+    def negative(frame: StartEpoch) -> StartEpoch:
+        plan = frame.plan
+        bad = EpochPlan.model_construct(
+            epoch=plan.epoch, partition_offset=plan.partition_offset, partition_size=-1
+        )
+        return StartEpoch.model_construct(plan=bad)
+
+    sim = _corrupted_run(mode, "start_epoch", negative)
+    with pytest.raises(InvariantViolation, match="the coordinator sent an invalid start_epoch"):
         sim.run()
 
 
-def test_a_run_whose_coordinator_sends_a_mistyped_update_stops_naming_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    def mistyped(version: int, next_plan: EpochPlan | None, global_step: int | None) -> Update:
-        as_text: Any = str(version)  # the bug planted: a string where the model says int
-        return Update.model_construct(version=as_text, next_plan=next_plan, global_step=None)
+def test_a_run_whose_coordinator_sends_a_mistyped_update_stops_naming_it() -> None:
+    def mistyped(frame: Update) -> Update:
+        as_text: Any = str(frame.version)  # the bug planted: a string where the model says int
+        return Update.model_construct(
+            version=as_text, next_plan=frame.next_plan, global_step=frame.global_step
+        )
 
-    monkeypatch.setattr(averaging, "built_update", mistyped)
-    sim = SimCluster(2, "cpu_cadence", [10.0, 10.0], dataset_len=640, batch_size=32, epochs=1,
-                     seed=1)  # fmt: skip
+    sim = _corrupted_run("cpu_cadence", "update", mistyped)
     with pytest.raises(InvariantViolation, match="update frame with a field of the wrong type"):
         sim.run()
