@@ -312,16 +312,7 @@ class SimCluster:
             if events > max_events:
                 raise InvariantViolation(f"seed={self.seed}: over {max_events} events")
             if self.check_invariants:
-                self._check(
-                    state_violation(
-                        self.coord,
-                        self.traits,
-                        self.trace,
-                        world=len(self.ranks),
-                        stall_ceiling_s=self.config.stall_ceiling_s,
-                        now=self.now,
-                    )
-                )
+                self._check(self.violation())
         self.trace.wall_s = self.now
         self.trace.busy_s = [r.busy_s for r in self.ranks]
         self.trace.idle_s = [max(0.0, self.now - r.busy_s) for r in self.ranks]
@@ -725,6 +716,18 @@ class SimCluster:
         self._push(self.now + self.heartbeat_s, "heartbeat", r.rank)
 
     # ------------------------------------------------------------------ invariants
+    def violation(self) -> str | None:
+        """The first invariant the coordinator's state breaks now, in words, or None
+        (``flodl.sim.invariants``; :meth:`run` checks it after every step)."""
+        return state_violation(
+            self.coord,
+            self.traits,
+            self.trace,
+            world=len(self.ranks),
+            stall_ceiling_s=self.config.stall_ceiling_s,
+            now=self.now,
+        )
+
     def _check(self, problem: str | None) -> None:
         """Raise ``problem`` (a check of ``flodl.sim.invariants`` found one)."""
         if problem is not None:

@@ -9,6 +9,7 @@ incarnation is admitted, gets the consensus in the next averaging round and trai
 
 from __future__ import annotations
 
+import subprocess
 import time
 import uuid
 from collections import Counter
@@ -39,6 +40,16 @@ SLOW = "0:40,1:40,2:40"
 torch, connect) and still find most of it to train."""
 
 
+def killed_and_respawned(
+    tmp_path: Path, *args: str, step: int, tag: str
+) -> subprocess.CompletedProcess[str]:
+    """A 3-rank ``callbacks_main.py`` run with ``args`` and ``--respawn 1`` whose rank 2
+    SIGKILLs itself at its ``step``-th step (its first incarnation only), logging to
+    ``tmp_path/a``."""
+    crash = ("--crash-rank", "2", "--crash-step", str(step), "--crash-kill")
+    return run(tmp_path, "a", *args, "--ranks", "3", "--respawn", "1", *crash, tag=tag)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", MODES)
 def test_a_killed_rank_is_respawned_rejoins_and_trains_to_the_end(
@@ -48,13 +59,7 @@ def test_a_killed_rank_is_respawned_rejoins_and_trains_to_the_end(
     common += ["--max-anchor", "5", "--slow", SLOW]
     tag = f"flodl-test-{uuid.uuid4().hex}"
     records = tmp_path / "records"
-    out = run(
-        tmp_path,
-        "a",
-        *(*common, "--ranks", "3", "--respawn", "1", "--records", str(records)),
-        *("--crash-rank", "2", "--crash-step", "10", "--crash-kill"),
-        tag=tag,
-    )
+    out = killed_and_respawned(tmp_path, *common, "--records", str(records), step=10, tag=tag)
     assert out.returncode == 0, out.stderr[-4000:]
     assert done(out.stdout) == {"save_reason": None, "replicas_agree": True}
     assert "rank 2 exited with code -9: respawning it (1 of 1); it rejoins the run" in out.stderr
@@ -109,13 +114,7 @@ def test_a_respawned_rank_gets_the_outer_optimizers_state_in_a_collective_mode(
     and the replicas end identical (a rank with any other outer state would step elsewhere)."""
     common = ["--mode", "nccl_cadence", "--epochs", str(EPOCHS), "--samples", str(N)]
     common += ["--max-anchor", "5", "--slow", SLOW, "--outer", "nesterov"]
-    out = run(
-        tmp_path,
-        "a",
-        *(*common, "--ranks", "3", "--respawn", "1"),
-        *("--crash-rank", "2", "--crash-step", "10", "--crash-kill"),
-        tag=f"flodl-test-{uuid.uuid4().hex}",
-    )
+    out = killed_and_respawned(tmp_path, *common, step=10, tag=f"flodl-test-{uuid.uuid4().hex}")
     assert out.returncode == 0, out.stderr[-4000:]
     assert "rank 2 exited with code -9: respawning it (1 of 1); it rejoins the run" in out.stderr
     assert done(out.stdout) == {"save_reason": None, "replicas_agree": True}
@@ -132,12 +131,10 @@ def test_a_respawn_still_starting_when_the_run_ends_is_stopped_not_waited_for(
     reaching the coordinator: its connect timeout), and leaves no process behind."""
     tag = f"flodl-test-{uuid.uuid4().hex}"
     t0 = time.monotonic()
-    out = run(
+    out = killed_and_respawned(
         tmp_path,
-        "a",
-        *("--mode", "cpu_cadence", "--epochs", "2", "--samples", "2048", "--ranks", "3"),
-        *("--respawn", "1", "--restart-delay", "60"),
-        *("--crash-rank", "2", "--crash-step", "3", "--crash-kill"),
+        *("--mode", "cpu_cadence", "--epochs", "2", "--samples", "2048", "--restart-delay", "60"),
+        step=3,
         tag=tag,
     )
     took = time.monotonic() - t0
@@ -160,12 +157,11 @@ def test_a_respawn_that_cannot_start_leaves_the_rank_dead_and_the_run_going(
     traceback, every sample is still trained and no process outlives the run."""
     tag = f"flodl-test-{uuid.uuid4().hex}"
     records = tmp_path / "records"
-    out = run(
+    out = killed_and_respawned(
         tmp_path,
-        "a",
-        *("--mode", "cpu_cadence", "--epochs", "2", "--samples", "2048", "--ranks", "3"),
-        *("--respawn", "1", "--respawn-fails", "--records", str(records)),
-        *("--crash-rank", "2", "--crash-step", "5", "--crash-kill"),
+        *("--mode", "cpu_cadence", "--epochs", "2", "--samples", "2048"),
+        *("--respawn-fails", "--records", str(records)),
+        step=5,
         tag=tag,
     )
     assert out.returncode == 0, out.stderr[-4000:]

@@ -14,7 +14,7 @@ from flodl.coord.machine import Coordinator
 from flodl.coord.outbound import built_plan, built_start_epoch
 from flodl.errors import InvariantViolation
 from flodl.sim import SimCluster
-from flodl.sim.invariants import frame_violation, state_violation
+from flodl.sim.invariants import frame_violation
 from flodl.wire.frames import EpochPlan, StartEpoch, Update
 
 
@@ -61,26 +61,15 @@ def _finished(mode: str = "cpu_cadence") -> SimCluster:
     return sim
 
 
-def _state(sim: SimCluster) -> str | None:
-    return state_violation(
-        sim.coord,
-        sim.traits,
-        sim.trace,
-        world=len(sim.ranks),
-        stall_ceiling_s=sim.config.stall_ceiling_s,
-        now=sim.now,
-    )
-
-
 def test_a_finished_run_violates_nothing() -> None:
-    assert _state(_finished()) is None
+    assert _finished().violation() is None
 
 
 def test_a_rank_failure_without_a_fault_is_named_first() -> None:
     sim = _finished()
     sim.trace.rank_failures.append((1.25, 1, "reduce round 3 timed out (120 s)"))
     sim.trace.coverage_ok[0] = False
-    assert _state(sim) == (
+    assert sim.violation() == (
         "rank 1 failed without a fault at 1.2500 s: reduce round 3 timed out (120 s)"
     )
 
@@ -88,7 +77,7 @@ def test_a_rank_failure_without_a_fault_is_named_first() -> None:
 def test_an_epoch_closed_without_exact_coverage_is_named() -> None:
     sim = _finished()
     sim.trace.coverage_ok[0] = False
-    assert _state(sim) == "an epoch closed without exact coverage"
+    assert sim.violation() == "an epoch closed without exact coverage"
 
 
 class _Corrupting:
