@@ -633,21 +633,20 @@ class SimCluster:
         armed at the earliest one is never late for a rank that begins later, and each rank
         still fails exactly at its deadline."""
         self._reduce_watch_armed = False
+        earliest = math.inf
         for r in self.ranks:
             at = r.reduce_deadline
-            if at is not None and at <= self.now and r.running and r.busy == "reduce":
-                r.reduce_deadline = None
+            if at is None or not (r.running and r.busy == "reduce"):
+                continue
+            if at <= self.now:
                 self._rank_fails(
                     r, f"reduce round {r.reduce_cycle} timed out ({self.timeouts.data_io_s:g} s)"
                 )
-        pending = [
-            r.reduce_deadline
-            for r in self.ranks
-            if r.reduce_deadline is not None and r.running and r.busy == "reduce"
-        ]
-        if pending:
+            else:
+                earliest = min(earliest, at)
+        if earliest < math.inf:
             self._reduce_watch_armed = True
-            self._push(min(pending), "reduce_timeout", None)
+            self._push(earliest, "reduce_timeout", None)
 
     def _rank_fails(self, r: _SimRank, why: str) -> None:
         """A rank dies on its own (its process exits 1 with a death record)."""
