@@ -25,12 +25,12 @@ import os
 import random
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+from processes import left_running
 
 from flodl import checkpoint
 from flodl.chaos import ChaosPlan, Fault
@@ -80,14 +80,6 @@ def plan_for(mode: str, index: int) -> tuple[ChaosPlan, dict[str, Any]]:
     return ChaosPlan(faults, seed=index), options
 
 
-def processes_with(tag: str) -> list[str]:
-    """Processes whose command line holds ``tag`` (a run's ``--tag``)."""
-    out = subprocess.run(
-        ["ps", "-ww", "-eo", "pid,args"], check=True, capture_output=True, text=True
-    )
-    return [line for line in out.stdout.splitlines() if tag in line and "ps -ww" not in line]
-
-
 def run_script(
     tmp: Path, name: str, args: list[str], timeout_s: float = 200
 ) -> tuple[subprocess.CompletedProcess[str], str]:
@@ -135,10 +127,8 @@ def test_a_run_survives_its_faults(mode: str, index: int, tmp_path: Path) -> Non
     out, tag = run_script(tmp_path, "run", args)
     assert out.returncode == 0, out.stderr[-4000:]
     result = done_line(out.stdout)
-    deadline = time.monotonic() + 15  # rank processes exit on their own, promptly
-    while processes_with(tag) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_with(tag) == [], "a process of the run outlived it"
+    # rank processes exit on their own, promptly
+    assert left_running(tag, 15) == [], "a process of the run outlived it"
     assert list((tmp_path / "run.tmp").glob("flodl-*")) == []  # the run directory is removed
 
     tree = read_tree(records)
@@ -211,10 +201,7 @@ def test_a_death_while_the_survivors_reform_costs_only_that_rank(mode: str, tmp_
     assert fired == ["kill", "kill_in_reform"]
     assert lost == {1, 3}
     assert not [r for _, r in events if r["data"]["class"] == "coverage"], "coverage broken"
-    deadline = time.monotonic() + 15
-    while processes_with(tag) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_with(tag) == []
+    assert left_running(tag, 15) == []
 
 
 @pytest.mark.timeout(300)
@@ -232,7 +219,4 @@ def test_survivors_that_end_on_different_parameters_fail_the_run(tmp_path: Path)
     assert "DONE " not in out.stdout
     assert "the survivors of the run disagree: parameter 0" in out.stderr, out.stderr[-4000:]
     assert "of rank 2 differs from rank 0's (max |difference| 0.001)" in out.stderr
-    deadline = time.monotonic() + 15
-    while processes_with(tag) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_with(tag) == []
+    assert left_running(tag, 15) == []

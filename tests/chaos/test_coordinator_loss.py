@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_chaos_suite import processes_with
+from processes import left_running
 
 from flodl import checkpoint
 from flodl.monitor.records import read_tree
@@ -75,10 +75,8 @@ def test_killing_the_coordinator_stops_every_rank_and_the_run_resumes(
             proc.wait()
         assert proc.stdout is not None
         proc.stdout.close()
-    deadline = time.monotonic() + EXIT_WAIT_S
-    while processes_with(tag) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert processes_with(tag) == [], f"ranks still running {EXIT_WAIT_S:g} s after the kill"
+    left = left_running(tag, EXIT_WAIT_S)
+    assert left == [], f"ranks still running {EXIT_WAIT_S:g} s after the kill"
     # the killed launcher could not remove its run directory; no rank wrote into it
     (killed,) = scratch.glob("flodl-*")
     assert list(killed.iterdir()) == []

@@ -10,11 +10,11 @@ together, and a run resumed from it must finish every epoch with nothing left un
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from test_chaos_suite import done_line, processes_with, run_script
+from processes import left_running
+from test_chaos_suite import done_line, run_script
 
 from flodl import checkpoint
 from flodl.chaos import ChaosPlan, Fault
@@ -38,10 +38,8 @@ CASES = [
 
 def run(tmp: Path, name: str, *args: str) -> subprocess.CompletedProcess[str]:
     out, tag = run_script(tmp, name, list(args), timeout_s=240)
-    deadline = time.monotonic() + 60  # ranks that lost their coordinator exit on their own
-    while processes_with(tag) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_with(tag) == [], "a process of the run outlived it"
+    # ranks that lost their coordinator exit on their own
+    assert left_running(tag, 60) == [], "a process of the run outlived it"
     return out
 
 

@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -93,23 +92,6 @@ def uninterrupted(tmp: Path, common: Sequence[str], world: int) -> float:
     u = run(tmp, f"u{world}", *common, "--ranks", str(world))
     assert u.returncode == 0, u.stderr[-3000:]
     return evals(u.stdout)[-1][1]
-
-
-def processes_with(tag: str) -> list[str]:
-    """Processes whose command line holds ``tag`` (a run's ``--tag``)."""
-    out = subprocess.run(
-        ["ps", "-ww", "-eo", "pid,args"], check=True, capture_output=True, text=True
-    )
-    return [line for line in out.stdout.splitlines() if tag in line and "ps -ww" not in line]
-
-
-def left_running(tag: str, within_s: float) -> list[str]:
-    """The processes of the run tagged ``tag`` still running after up to ``within_s`` for
-    them to exit on their own (checked every 0.2 s; the first empty check ends the wait)."""
-    deadline = time.monotonic() + within_s
-    while (left := processes_with(tag)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
 
 
 def rank_batches(log_dir: Path, rank: int) -> list[list[int]]:

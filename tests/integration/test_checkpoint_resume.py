@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from processes import left_running
 from resume_runs import (
     BS,
     REPO,
@@ -26,7 +27,6 @@ from resume_runs import (
     done,
     final_matches_bundle,
     forget_run,
-    left_running,
     metrics,
     rank_batches,
     run,

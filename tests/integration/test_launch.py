@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from resume_runs import processes_with
+from processes import processes_with
 
 pytestmark = pytest.mark.integration
 

@@ -16,12 +16,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from processes import left_running, processes_with
 from resume_runs import (
     PARITY_MODES,
     done,
     evals,
-    left_running,
-    processes_with,
     rank_batches,
     run,
     uninterrupted,

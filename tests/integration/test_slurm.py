@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from resume_runs import processes_with
+from processes import processes_with
 from test_standalone import reap
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

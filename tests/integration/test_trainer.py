@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from resume_runs import left_running, processes_with
+from processes import left_running, processes_with
 
 from flodl import ConfigError, ElCheConfig, EpochMetrics, Trainer, TrainerConfig, record_scalar
 from flodl.data import TensorBatchDataset
