@@ -339,7 +339,9 @@ class SimCluster:
         elif kind == "fault":
             self._fault(payload)
         elif kind == "join":
-            self._say_hello(self.ranks[payload])
+            r = self.ranks[payload]
+            if r.running:  # (a rank killed before its join time never says hello)
+                self._say_hello(r)
         elif kind == "reduced":
             self._reduced(payload)
         elif kind == "collective_failed":
@@ -385,6 +387,10 @@ class SimCluster:
                     self.ranks[rank].proto.admitted(session, k)
                 case Reply(frame=Reject(reason=reason)) if self._rejoining is not None:
                     self.trace.rejoin_refusals.append((self.now, self._rejoining, reason))
+                    # the refused process gives up: its connection is closed, so none of its
+                    # frames reaches the coordinator as the rank's (a respawn may follow)
+                    refused = self.ranks[self._rejoining]
+                    refused.alive, refused.killed_at = False, self.now
                 case RankLeft(rank=rank):
                     self._leave_rounds(rank)
                 case EpochDone(metrics=m):

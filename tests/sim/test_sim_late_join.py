@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from flodl.config import MODES
-from flodl.sim import SimCluster
+from flodl.sim import Failure, SimCluster
 
 BS = 32
 
@@ -58,3 +58,22 @@ def test_a_run_at_its_minimum_world_size_completes_when_the_others_never_come(mo
     assert tr.ok, tr.reason
     assert tr.coverage_ok == [True, True]
     assert tr.samples[2:] == [0, 0] and sum(tr.samples) == 2 * 200 * BS
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rank_killed_before_it_joins_never_says_hello_and_its_respawn_joins(mode: str) -> None:
+    # Its process dies before its hello (the launcher's exit report of a rank that never joined
+    # is no death); the launcher's respawn is the one that joins, once.
+    s = SimCluster(
+        3, mode, [10.0, 10.0, 10.0], dataset_len=25_600, batch_size=BS, epochs=3, seed=2,
+        min_world_size=2, join_at=[0.0, 0.0, 1.5],
+        failures=[Failure(2, 1.0, "kill"), Failure(2, 2.5, "rejoin")],
+    )  # fmt: skip
+    tr = s.run()
+    assert tr.ok, tr.reason
+    assert tr.coverage_ok == [True, True, True]
+    assert tr.deaths == [] and tr.rejoin_refusals == []
+    [(at, rank, _)] = tr.rejoins
+    assert rank == 2 and 2.5 <= at < 2.51
+    assert tr.samples[2] > 0
+    assert sum(tr.samples) == 3 * 800 * BS  # no death, so nothing redone
