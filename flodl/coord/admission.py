@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from flodl.coord.averaging import Averaging
 from flodl.coord.callbacks import Callbacks
-from flodl.coord.cycle import Cycle, RankWindow
+from flodl.coord.cycle import Cycle
 from flodl.coord.dispatch import Dispatch
 from flodl.coord.effects import Alert, Effect, RankRejoined, Record, Reply, Send
 from flodl.coord.elche import ElChe
@@ -65,7 +65,6 @@ class Admission:
         averaging: Averaging,
         callbacks: Callbacks,
         cycle: Cycle,
-        windows: list[RankWindow],
         *,
         collective: bool,
         paths: Sequence[str],
@@ -76,12 +75,14 @@ class Admission:
         self.averaging = averaging
         self.callbacks = callbacks
         self.cycle = cycle
-        self.windows = windows
         self.collective = collective
         self.paths = paths
         self.dead_at: dict[int, float] = {}
         """When each rank was last declared dead (for ``down_s``)."""
         self._admitted_at: dict[int, float] = {}
+        self._admitted_in: dict[int, int] = {}
+        """The cycle number when each awaiting rank was admitted: an ack of that cycle or an
+        earlier one is its old incarnation's, never its own."""
         self._first_joins: set[int] = set()
         """Admitted ranks that never joined the run before (``rank_joined``)."""
         self._grow_due = False
@@ -108,11 +109,19 @@ class Admission:
     def on_death(self, rank: int, now: float) -> None:
         self.dead_at[rank] = now
         self._admitted_at.pop(rank, None)
+        self._admitted_in.pop(rank, None)
         self._first_joins.discard(rank)
 
-    def session_reformed(self) -> None:
-        """A death re-formed the group with every live rank: no grow is due any more."""
-        self._grow_due = False
+    def reform_after_death(self, dead: int, reason: str) -> list[Effect]:
+        """Collective modes: ``dead``'s death re-forms the group. While a cycle is pending, only
+        with that cycle's ranks: one admitted after its trigger was never asked into it, and a
+        member that never comes would hold the others in their collective for good (found by
+        the simulator); it comes in at the grow once the cycle is over. Otherwise with every
+        live rank, admitted ones too, and no grow is due any more."""
+        alive = self.membership.alive()
+        members = [r for r in alive if r in self.cycle.expected] if self.cycle.pending else alive
+        self._grow_due = len(members) < len(alive)
+        return self.membership.reform_session(dead, reason, members=members)
 
     def admit(self, rank: int, accept: Accept, now: float, out: list[Effect]) -> None:
         """Admit ``rank`` (its ``hello`` was not refused) into the running run."""
@@ -122,10 +131,10 @@ class Admission:
         out.append(RankRejoined(rank, incarnation))  # before the accept: its data hello
         out.append(Reply(accept))
         self.elche.revive(rank)
-        self.windows[rank] = RankWindow()
-        self.averaging.forget_snapshot(rank)
+        self.averaging.on_admit(rank)
         self.dispatch.invalidate_cohort()
         self._admitted_at[rank] = now
+        self._admitted_in[rank] = self.cycle.number
         if first:
             self._first_joins.add(rank)
         out.append(Send(rank, SetGlobalStep(global_step=self.averaging.global_step)))
@@ -157,8 +166,11 @@ class Admission:
         them a share of the open epoch (``training``: the run's phase is training)."""
         if not self.membership.awaiting or self.cycle.weight_total == 0:
             return  # (a round of total weight 0 realized nothing: every rank kept its state)
-        synced = self.membership.got_consensus(set(self.cycle.acked))
+        number = self.cycle.number
+        entered = {r for r in self.cycle.acked if self._admitted_in.get(r, -1) < number}
+        synced = self.membership.got_consensus(entered)
         for rank in synced:
+            self._admitted_in.pop(rank, None)
             at = self._admitted_at.pop(rank, now)
             dead_at = self.dead_at.get(rank)
             first = rank in self._first_joins

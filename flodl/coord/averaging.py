@@ -127,7 +127,8 @@ class Averaging:
             self.last_lr = frame.lr
 
     def on_snapshot(self, frame: SnapshotReady) -> None:
-        if self.cycle.pending and frame.cycle == self.cycle.number:
+        cycle = self.cycle
+        if cycle.pending and frame.cycle == cycle.number and frame.rank in cycle.expected:
             run = self.windows[frame.rank]
             run.snapshot = self.dispatch.snapshot(frame.rank)
             run.snapshot_cycle = frame.cycle
@@ -136,9 +137,12 @@ class Averaging:
         """A rank finished its part of the pending cycle; True once the cycle may finalize."""
         cycle = self.cycle
         number = ack.cycle
-        if not cycle.pending or number != cycle.number:
-            return False
         rank = ack.rank
+        # Only a rank the cycle expects: one admitted after the trigger (a new incarnation
+        # whose old one died inside this cycle, say) was never asked and must not overwrite
+        # the window or the snapshot the finalize settles.
+        if not cycle.pending or number != cycle.number or rank not in cycle.expected:
+            return False
         run = self.windows[rank]
         run.snapshot = self.dispatch.snapshot(rank)
         run.snapshot_cycle = number
@@ -214,6 +218,17 @@ class Averaging:
 
     def forget_snapshot(self, rank: int) -> None:
         self.windows[rank].snapshot = None
+
+    def on_admit(self, rank: int) -> None:
+        """A new incarnation of ``rank`` was admitted: it starts a fresh window. Where the old
+        one died inside the pending cycle (its forfeit deferred), that cycle's finalize still
+        commits what the old upload carried and forfeits the rest: its snapshot is kept for
+        it, or the folded batches would go back to the pool and be trained twice."""
+        fresh = RankWindow()
+        if rank in self.deferred_forfeit:
+            old = self.windows[rank]
+            fresh.snapshot, fresh.snapshot_cycle = old.snapshot, old.snapshot_cycle
+        self.windows[rank] = fresh
 
     # ------------------------------------------------------------------ finalize
     def sync_ms(self, now: float) -> float:

@@ -183,7 +183,6 @@ class Coordinator:
             self.averaging,
             self.callbacks,
             self.cycle,
-            self.windows,
             collective=not t.cpu_averaging,
             paths=self.paths,
         )
@@ -595,8 +594,7 @@ class Coordinator:
             return
         self.callbacks.on_death(rank, self.elche.smoothed_ms, out)
         if not self.traits.cpu_averaging:
-            out.extend(membership.reform_session(rank, reason))
-            self.admission.session_reformed()  # it has every live rank, admitted ones too
+            out.extend(self.admission.reform_after_death(rank, reason))
         self.callbacks.send_roles_if_dirty(out)
         if self.phase is RunPhase.FINAL_EVAL:
             if not self.callbacks.retry_final_eval(out):

@@ -21,6 +21,8 @@ and nothing else in the coordinator keeps its own copy of it:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from flodl.config import JobSpec, MaxFailure
 from flodl.coord.cycle import Sessions
 from flodl.coord.effects import Effect, Send
@@ -305,18 +307,22 @@ class Membership:
             return ("all_ranks_lost", why)
         return verdict
 
-    def reform_session(self, dead: int | None, reason: str = "") -> list[Effect]:
-        """Collective modes: a new session among the live ranks — the survivors of ``dead``'s
-        death, or (``dead`` None) the members plus the ranks that rejoined; the frames that
-        tell every member."""
+    def reform_session(
+        self, dead: int | None, reason: str = "", *, members: Sequence[int] | None = None
+    ) -> list[Effect]:
+        """Collective modes: a new session among ``members`` (default: the live ranks) — the
+        survivors of ``dead``'s death, or (``dead`` None) the members plus the ranks that
+        rejoined; the frames that tell every member (and every live rank of the death)."""
         alive = self.alive()
-        session, members = self.sessions.reform(alive)
+        session, ranks = self.sessions.reform(alive if members is None else members)
         prefix = self.sessions.store_prefix(self.run_id)
         out: list[Effect] = []
         declared = None if dead is None else DeclareDead(rank=dead, reason=reason)
         for r in alive:
             if declared is not None:
                 out.append(Send(r, declared))
+            if r not in ranks:
+                continue
             out.append(
                 Send(
                     r,
@@ -324,8 +330,8 @@ class Membership:
                         session=session,
                         store_prefix=prefix,
                         new_rank=self.sessions.new_rank(r),
-                        new_world_size=len(members),
-                        ranks=list(members),
+                        new_world_size=len(ranks),
+                        ranks=list(ranks),
                     ),
                 )
             )

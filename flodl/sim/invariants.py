@@ -63,7 +63,10 @@ def state_violation(
             dead = c.membership.state(rank) is RankState.DEAD
             if dead and rank not in c.averaging.deferred_forfeit and work.pending(rank):
                 return f"dead rank {rank} still holds work in epoch {e}"
-            if rank in c.membership.awaiting and work.pending(rank):
+            # (a new incarnation whose old one died inside the pending cycle: until that
+            # cycle's finalize settles it, what it holds is the old incarnation's work)
+            awaiting = rank in c.membership.awaiting and rank not in c.averaging.deferred_forfeit
+            if awaiting and work.pending(rank):
                 return f"rank {rank} holds work before it has the consensus"
             if barrier and c.progressive and len(work.outstanding(rank)) > 1:
                 return f"rank {rank} has more than one chunk in flight (epoch {e})"

@@ -448,6 +448,38 @@ def test_a_rank_rejoining_a_collective_run_grows_the_group_back_once_no_cycle_is
         assert cov is not None and cov.ok, (epoch, cov)
 
 
+@pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence"])
+def test_a_death_while_a_rejoined_rank_awaits_the_pending_cycle_re_forms_without_it(
+    mode: str,
+) -> None:
+    # Rank 1 rejoined after the pending cycle's trigger, so it was never asked into it. A death
+    # re-forms the group now: with that cycle's ranks only (with rank 1 the others would wait
+    # in their collective for a member that never comes: found by the simulator), and rank 1
+    # comes in at the grow once the cycle is over.
+    c = joined(mode, 4, dataset_len=12_800)
+    c.run(until=lambda: c.coord.sync_rounds >= 2)
+    c.kill(1)
+    c.run(until=lambda: c.coord.sync_rounds >= 4 and c.coord.cycle.pending)
+    revive(c, 1)
+    out = c.kill(3)
+    assert sorted(r for r, _ in sends(out, DeclareDead)) == [0, 1, 2]
+    reformed = sends(out, NewSession)
+    assert sorted(r for r, _ in reformed) == [0, 2]
+    assert all(f.ranks == [0, 2] for _, f in reformed)
+    mark = len(c.trace)
+    c.run(until=lambda: bool(sends(c.trace[mark:], NewSession)))
+    assert not c.coord.cycle.pending  # the grow comes once the cycle is over
+    grown = sends(c.trace[mark:], NewSession)
+    assert sorted(r for r, _ in grown) == [0, 1, 2]
+    assert all(f.ranks == [0, 1, 2] for _, f in grown)
+    c.run()
+    assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
+    assert c.step[1] > 0
+    for epoch in range(c.config.total_epochs):
+        cov = c.coord.coverage(epoch)
+        assert cov is not None and cov.ok, (epoch, cov)
+
+
 def revive(c: Cluster, rank: int) -> list[Effect]:
     """A new incarnation of a killed fake rank says hello (its fake state starts over)."""
     c.out.discard(rank)
@@ -797,12 +829,15 @@ def test_cpu_finalize_waits_for_every_ack_and_the_reduce_done() -> None:
 
 @pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_sync"])
 @pytest.mark.parametrize("folded", [True, False])
+@pytest.mark.parametrize("rejoined", [False, True])
 def test_a_rank_dead_inside_a_cpu_cycle_is_committed_exactly_when_its_upload_was_folded(
-    mode: str, folded: bool
+    mode: str, folded: bool, rejoined: bool
 ) -> None:
     # CPU Sync and Cadence ranks send no snapshot_ready: for a rank that dies before its ack,
     # the cycle commits the ledger's done count at its death, and only if the reduce server
-    # folded its upload in; otherwise all of its work goes back, at the finalize.
+    # folded its upload in; otherwise all of its work goes back, at the finalize. A new
+    # incarnation admitted before that finalize (the cycle waits on another rank) changes
+    # none of it: what the old one's upload carried is committed, never retrained.
     c = joined(mode, dataset_len=1280)  # 40 batches
     trained = 10 if mode == "cpu_cadence" else 1  # Cadence: the chunk; Sync: one step
     for s in range(1, trained + 1):
@@ -815,15 +850,59 @@ def test_a_rank_dead_inside_a_cpu_cycle_is_committed_exactly_when_its_upload_was
         assert c.feed(ReduceDone(1, (0, 1), 2.0)) == []
     c.kill(1)
     assert work.pending(1) == held  # nothing forfeited before the finalize knows
+    if rejoined:
+        c.clock.advance(2.0)
+        revive(c, 1)
+        assert c.coord.membership.awaiting == {1} and work.pending(1) == held
+        # frames of the pending cycle from the new incarnation, never asked into it, change
+        # nothing (they would have replaced the snapshot the finalize settles)
+        kept = c.coord.averaging.windows[1]
+        snapshot, window = kept.snapshot, kept.window
+        assert c.feed(SnapshotReady(rank=1, cycle=1, step=0)) == []
+        assert c.feed(SyncAck(rank=1, cycle=1, step=0)) == []
+        assert kept.snapshot is snapshot and kept.window is window and kept.closed_window is None
     if not folded:
         c.feed(ReduceDone(1, (0,), 1.0))
     effects = c.feed(SyncAck(rank=0, cycle=1, step=trained))
-    assert [r for r, _ in sends(effects, Update)] == [0]
+    updates = sends(effects, Update)
+    assert [r for r, _ in updates] == ([0, 1] if rejoined else [0])
+    assert all(f.next_plan is None for r, f in updates if r == 1)  # it awaits the consensus
     assert work.committed(0) == trained
     assert work.committed(1) == (trained if folded else 0)
     assert work.pending(1) == 0 and work.in_flight(1) == 0  # the rest went back
     report = work.coverage_report()
     assert report.ok and report.committed == trained * (2 if folded else 1)
+
+
+@pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_sync"])
+def test_a_rank_that_acked_the_pending_cycle_and_rejoins_before_it_finalizes_awaits_the_next(
+    mode: str,
+) -> None:
+    # Its old incarnation acked, then died; another rank holds the cycle open. The new
+    # incarnation took no part in that cycle: its finalize commits what the old upload carried
+    # and gives the new incarnation no consensus (it was taken to hold it, got work it could
+    # not train, and the cohort wedged until the stall ceiling). Only a cycle it enters does.
+    c = joined(mode, 3, dataset_len=1920)  # 60 batches
+    trained = 10 if mode == "cpu_cadence" else 1
+    for s in range(1, trained + 1):
+        for r in range(3):
+            c.feed(batch(r, s))
+    assert c.coord.cycle.pending and c.coord.cycle.number == 1
+    c.feed(ReduceDone(1, (0, 1, 2), 3.0))
+    c.feed(SyncAck(rank=2, cycle=1, step=trained))
+    c.kill(2)
+    c.clock.advance(2.0)
+    revive(c, 2)
+    c.feed(SyncAck(rank=1, cycle=1, step=trained))
+    effects = c.feed(SyncAck(rank=0, cycle=1, step=trained))
+    assert c.coord.sync_rounds == 1
+    work = c.coord.dispatch.works[0]
+    assert work.committed(2) == trained and work.pending(2) == 0
+    assert c.coord.membership.awaiting == {2}
+    assert not [e for e in effects if isinstance(e, Record) and e.kind == "rank_rejoined"]
+    assert not [f for r, f in sends(effects, Update) if r == 2 and f.next_plan is not None]
+    assert not [f for r, f in sends(effects, StartEpoch) if r == 2]
+    assert not [f for r, f in sends(effects, ExtendPartition) if r == 2]
 
 
 def test_cpu_cycle_without_reduce_done_never_finalizes() -> None:
