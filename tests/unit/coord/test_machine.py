@@ -410,16 +410,23 @@ def test_mismatched_model_signature_is_refused() -> None:
     assert coord.membership.liveness.state(1) is RankState.JOINING
 
 
-@pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence"])
-def test_a_rank_rejoining_a_collective_run_grows_the_group_back_once_no_cycle_is_pending(
-    mode: str,
-) -> None:
-    c = joined(mode, 3, dataset_len=9600)
+def rejoined_in_a_pending_cycle(mode: str, world_size: int) -> tuple[Cluster, list[Effect], int]:
+    """A collective run whose rank 1, killed after two cycles, says hello again while the
+    fourth (or a later) cycle is pending: the cluster, the effects of that hello, and where in
+    the trace it came."""
+    c = joined(mode, world_size, dataset_len=3200 * world_size)
     c.run(until=lambda: c.coord.sync_rounds >= 2)
     c.kill(1)
     c.run(until=lambda: c.coord.sync_rounds >= 4 and c.coord.cycle.pending)
     hello_at = len(c.trace)
-    out = revive(c, 1)
+    return c, revive(c, 1), hello_at
+
+
+@pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence"])
+def test_a_rank_rejoining_a_collective_run_grows_the_group_back_once_no_cycle_is_pending(
+    mode: str,
+) -> None:
+    c, out, hello_at = rejoined_in_a_pending_cycle(mode, 3)
     # a cycle is pending: re-forming now would split its members; the grow waits for it
     assert sends(out, NewSession) == []
     assert c.coord.membership.awaiting == {1}
@@ -456,11 +463,7 @@ def test_a_death_while_a_rejoined_rank_awaits_the_pending_cycle_re_forms_without
     # re-forms the group now: with that cycle's ranks only (with rank 1 the others would wait
     # in their collective for a member that never comes: found by the simulator), and rank 1
     # comes in at the grow once the cycle is over.
-    c = joined(mode, 4, dataset_len=12_800)
-    c.run(until=lambda: c.coord.sync_rounds >= 2)
-    c.kill(1)
-    c.run(until=lambda: c.coord.sync_rounds >= 4 and c.coord.cycle.pending)
-    revive(c, 1)
+    c, _, _ = rejoined_in_a_pending_cycle(mode, 4)
     out = c.kill(3)
     assert sorted(r for r, _ in sends(out, DeclareDead)) == [0, 1, 2]
     reformed = sends(out, NewSession)
