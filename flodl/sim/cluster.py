@@ -677,7 +677,8 @@ class SimCluster:
     def _fault(self, f: Failure) -> None:
         r = self.ranks[f.rank]
         if f.kind == "rejoin":
-            self._respawn(r, f.ms_per_batch)
+            if not r.exited:  # (as a launcher: a rank that left cleanly is never respawned)
+                self._respawn(r, f.ms_per_batch)
             return
         if not r.running:
             return

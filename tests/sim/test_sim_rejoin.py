@@ -108,6 +108,22 @@ def test_a_pinned_callback_rank_lends_epoch_fn_while_dead_and_takes_it_back(mode
     assert after and set(after) == {2}  # back on the pinned rank once it has the consensus
 
 
+def test_a_respawn_scheduled_for_a_rank_that_already_left_cleanly_is_no_respawn() -> None:
+    """The run trained everything by 1.3 s and shuts down; rank 0 hangs before its exit, so the
+    shutdown waits for its heartbeat timeout, and rank 1, which already exited, is scheduled a
+    kill (moot) and a respawn: a launcher never respawns a clean exit, and the simulator used
+    to stop with an error instead."""
+    faults = [Failure(0, 1.349, "hang"), Failure(1, 2.381, "kill"), Failure(1, 4.393, "rejoin")]
+    s = SimCluster(
+        2, "cpu_async", [10.0, 32.3], dataset_len=2332, batch_size=32, epochs=2, seed=9901,
+        heartbeat_timeout_s=30.0, epoch_fn_ms=12.0, failures=faults,
+    )  # fmt: skip
+    tr = s.run()
+    assert tr.ok, tr.reason
+    assert s.ranks[1].exited and s.ranks[1].killed_at is None  # (the kill came after its exit)
+    assert tr.rejoins == [] and [r for _, r, _ in tr.deaths] == [0]
+
+
 class _WatchingRejoins:
     """The coordinator, noting at each ``hello`` of a dead rank whether the pending cycle still
     holds that rank's old incarnation (it acked, or its forfeit waits for the finalize): a
