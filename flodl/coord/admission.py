@@ -34,7 +34,13 @@ from flodl.coord.elche import ElChe
 from flodl.coord.liveness import RankState
 from flodl.coord.membership import Membership
 from flodl.coord.phases import RunPhase
-from flodl.wire.frames import Accept, SaveReason, SetEpochCallbackRole, SetGlobalStep
+from flodl.wire.frames import (
+    Accept,
+    DeclareDead,
+    SaveReason,
+    SetEpochCallbackRole,
+    SetGlobalStep,
+)
 
 __all__ = ["Admission", "running_refusal"]
 
@@ -116,9 +122,17 @@ class Admission:
         """Collective modes: ``dead``'s death re-forms the group. While a cycle is pending, only
         with that cycle's ranks: one admitted after its trigger was never asked into it, and a
         member that never comes would hold the others in their collective for good (found by
-        the simulator); it comes in at the grow once the cycle is over. Otherwise with every
-        live rank, admitted ones too, and no grow is due any more."""
+        the simulator); it comes in at the grow once the cycle is over. The death of such a
+        rank, outside the group, re-forms nothing. Otherwise with every live rank, admitted
+        ones too, and no grow is due any more."""
         alive = self.membership.alive()
+        if self.cycle.pending and dead not in self.membership.sessions.members:
+            # (an admitted rank that had not come in yet: the group and the collective it is in
+            # are whole, and a new session would split the members already in it from those
+            # that take the new one first)
+            declared = DeclareDead(rank=dead, reason=reason)
+            self._grow_due = not set(alive) <= set(self.membership.sessions.members)
+            return [Send(r, declared) for r in alive]
         members = [r for r in alive if r in self.cycle.expected] if self.cycle.pending else alive
         self._grow_due = len(members) < len(alive)
         return self.membership.reform_session(dead, reason, members=members)

@@ -483,6 +483,23 @@ def test_a_death_while_a_rejoined_rank_awaits_the_pending_cycle_re_forms_without
         assert cov is not None and cov.ok, (epoch, cov)
 
 
+@pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence"])
+def test_the_death_of_a_rejoined_rank_outside_the_group_re_forms_nothing(mode: str) -> None:
+    # Rank 1 rejoined after the pending cycle's trigger and dies before the grow: the group and
+    # the collective its members are in are whole, so no new session (it would split the
+    # members already in that collective from those that take the new session first: the
+    # simulator's run then never ended)
+    c, _, _ = rejoined_in_a_pending_cycle(mode, 4)
+    out = c.kill(1)
+    assert sorted(r for r, _ in sends(out, DeclareDead)) == [0, 2, 3]
+    assert sends(out, NewSession) == []
+    c.run()
+    assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
+    for epoch in range(c.config.total_epochs):
+        cov = c.coord.coverage(epoch)
+        assert cov is not None and cov.ok, (epoch, cov)
+
+
 def revive(c: Cluster, rank: int) -> list[Effect]:
     """A new incarnation of a killed fake rank says hello (its fake state starts over)."""
     c.out.discard(rank)
