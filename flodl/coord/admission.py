@@ -130,9 +130,8 @@ class Admission:
             # (an admitted rank that had not come in yet: the group and the collective it is in
             # are whole, and a new session would split the members already in it from those
             # that take the new one first)
-            declared = DeclareDead(rank=dead, reason=reason)
             self._grow_due = not set(alive) <= set(self.membership.sessions.members)
-            return [Send(r, declared) for r in alive]
+            return self.membership.broadcast(DeclareDead(rank=dead, reason=reason))
         members = [r for r in alive if r in self.cycle.expected] if self.cycle.pending else alive
         self._grow_due = len(members) < len(alive)
         return self.membership.reform_session(dead, reason, members=members)
