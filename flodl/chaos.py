@@ -18,6 +18,10 @@ Faults (``kind``):
 * ``delay_reduce``: the next averaging upload waits ``duration_s`` (slow, not dead);
 * ``kill_in_reduce``: SIGKILL inside the next averaging cycle (the rank entered it — after its
   ``snapshot_ready`` where it sends one —, before the upload or the collective);
+* ``delay_ack``: the next averaging round's ``sync_ack`` waits ``duration_s`` after the rank has
+  the average (slow, not dead: its heartbeats go on), so that cycle stays pending;
+* ``kill_after_ack``: SIGKILL right after the rank's ``sync_ack`` of its next averaging round is
+  on the wire: the coordinator has its part of the cycle, which may still wait for others;
 * ``kill_in_callback`` / ``kill_in_checkpoint``: SIGKILL inside the next callback
   (``epoch_fn``, eval, ``checkpoint_fn``) or bundle save (after the optimizer state, before
   the model file) on that rank;
@@ -32,6 +36,9 @@ Faults (``kind``):
 * ``skew_final``: the rank's final parameters are delivered with ``1e-3`` added to the first
   parameter, as a silent divergence (a flipped bit, a nondeterministic kernel) would leave
   them: the launcher must refuse survivors that disagree.
+
+A fault fires in the rank's ``incarnation`` it names (0, the first process, by default): a
+respawned rank reads the same plan, and does not fire its first incarnation's faults again.
 
 Each fault is recorded when it fires (``kind: "event"``, class ``chaos``, at node
 ``root/chaos`` of the record log, wall-clock ``ts``) so :func:`recovery_table` can join it with
@@ -82,6 +89,8 @@ FaultKind = Literal[
     "close_data",
     "delay_reduce",
     "kill_in_reduce",
+    "delay_ack",
+    "kill_after_ack",
     "kill_in_callback",
     "kill_in_checkpoint",
     "kill_after_save",
@@ -97,7 +106,8 @@ SIGNAL_KINDS = {"KILL": "kill", "STOP": "stop", "CONT": "stop"}
 class Fault:
     """One fault: ``kind`` on ``rank`` when it reaches ``step`` (its own training steps),
     trains its first step of ``epoch`` (or of a later one), or has trained ``after_s`` seconds,
-    whichever is set; ``duration_s`` for stop/delay.
+    whichever is set; ``duration_s`` for stop/delay; it fires in the rank's ``incarnation``
+    (0: its first process; a respawned one is the next).
 
     ``epoch`` does not depend on how the batches were split among the ranks: a hook fault
     (``kill_in_checkpoint``, ``kill_after_save``, ``kill_coordinator_in_save``) armed at
@@ -111,6 +121,7 @@ class Fault:
     after_s: float | None = None
     duration_s: float = 0.0
     epoch: int | None = None
+    incarnation: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -126,6 +137,8 @@ class Fault:
             raise ConfigError(f"fault epoch must be >= 0, got {self.epoch}")
         if self.after_s is not None and not self.after_s >= 0:
             raise ConfigError(f"fault after_s must be >= 0, got {self.after_s}")
+        if self.incarnation < 0:
+            raise ConfigError(f"fault incarnation must be >= 0, got {self.incarnation}")
         if not 0 <= self.duration_s <= 3600:
             raise ConfigError(f"fault duration_s must be in [0, 3600], got {self.duration_s}")
 
@@ -200,8 +213,9 @@ class ChaosPlan:
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
             raise ConfigError(f"{CHAOS_ENV} is not a valid chaos plan: {exc}") from None
 
-    def for_rank(self, rank: int) -> list[Fault]:
-        return [f for f in self.faults if f.rank == rank]
+    def for_rank(self, rank: int, incarnation: int = 0) -> list[Fault]:
+        """``rank``'s faults in its ``incarnation``."""
+        return [f for f in self.faults if f.rank == rank and f.incarnation == incarnation]
 
 
 @dataclass
@@ -213,6 +227,8 @@ class RankChaos:
         faults: this rank's faults.
         record_dir: where fault records go (``None``: only logged).
         abort_control / abort_data: cut the control / data connection.
+        flush_control: wait until the frames sent so far are on the control connection's wire
+            (``kill_after_ack``).
     """
 
     rank: int
@@ -220,16 +236,21 @@ class RankChaos:
     record_dir: str | None = None
     abort_control: Callable[[], None] | None = None
     abort_data: Callable[[], None] | None = None
+    flush_control: Callable[[], object] | None = None
     started: float = field(default_factory=time.monotonic)
     _armed: dict[str, Fault] = field(default_factory=dict)
 
     @classmethod
-    def from_environ(cls, rank: int, environ: Mapping[str, str] | None = None) -> RankChaos | None:
+    def from_environ(
+        cls, rank: int, environ: Mapping[str, str] | None = None, *, incarnation: int = 0
+    ) -> RankChaos | None:
+        """The injector of ``rank``'s faults in its ``incarnation`` (``accept.incarnation``),
+        from the plan in ``FLODL_CHAOS``; None without one."""
         env = os.environ if environ is None else environ
         text = env.get(CHAOS_ENV)
         if not text:
             return None
-        faults = ChaosPlan.from_env(text).for_rank(rank)
+        faults = ChaosPlan.from_env(text).for_rank(rank, incarnation)
         if not faults:
             return None
         return cls(rank, faults, env.get(RECORD_DIR_ENV) or None)
@@ -263,6 +284,18 @@ class RankChaos:
         if fault is not None:
             time.sleep(fault.duration_s)
         self._kill_if_armed("kill_in_reduce")
+
+    def before_ack(self) -> None:
+        """The rank has the round's average; its ``sync_ack`` is about to leave."""
+        fault = self._armed.pop("delay_ack", None)
+        if fault is not None:
+            time.sleep(fault.duration_s)
+
+    def after_ack(self) -> None:
+        """The round's ``sync_ack`` was sent: ``kill_after_ack`` once it is on the wire."""
+        if "kill_after_ack" in self._armed and self.flush_control is not None:
+            self.flush_control()
+        self._kill_if_armed("kill_after_ack")
 
     def in_callback(self) -> None:
         self._kill_if_armed("kill_in_callback")
@@ -300,7 +333,7 @@ class RankChaos:
         kind = fault.kind
         if kind in _AT_A_HOOK:
             self._armed[kind] = fault  # fires at its hook
-            if kind == "delay_reduce":
+            if kind in ("delay_reduce", "delay_ack"):
                 self._record(kind, step, duration_s=fault.duration_s)
             return
         self._record(kind, step, duration_s=fault.duration_s)
@@ -340,6 +373,8 @@ _AT_A_HOOK = frozenset(
     {
         "delay_reduce",
         "kill_in_reduce",
+        "delay_ack",
+        "kill_after_ack",
         "kill_in_callback",
         "kill_in_checkpoint",
         "kill_after_save",

@@ -392,6 +392,30 @@ class RankBridge:
             raise LocalProtocolError(f"step must be >= 0, got {step}", rank=self._rank)
         self._step = step
 
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every frame passed to :meth:`send` before this call has left the bridge
+        for the kernel (the socket's buffer in the event loop is empty). Returns False when
+        that did not happen within ``timeout`` seconds or the coordinator is lost."""
+        loop = self._loop
+        if loop is None or self._lost.is_set():
+            return False
+        written = threading.Event()
+
+        def check() -> None:  # (after the writes queued before it: call_soon is FIFO)
+            fw = self._fw
+            if self._lost.is_set() or fw is None:
+                return
+            if fw.buffered == 0:
+                written.set()
+            else:
+                loop.call_later(0.005, check)
+
+        try:
+            loop.call_soon_threadsafe(check)
+        except RuntimeError:  # the loop is closed: the bridge thread has ended
+            return False
+        return written.wait(timeout)
+
     def close(self, timeout: float = 5.0) -> None:
         """Flush, close the connection, stop the loop and join the bridge thread.
 

@@ -228,11 +228,12 @@ class RankLoop:
                 spec.rank,
                 accept.incarnation,
             )
-        self.chaos = RankChaos.from_environ(spec.rank)
+        self.chaos = RankChaos.from_environ(spec.rank, incarnation=accept.incarnation)
         if self.chaos is not None:
             bridge = self.bridge
             self.chaos.abort_control = lambda: bridge.abort("chaos: control connection cut")
             self.chaos.abort_data = lambda: self.client.abort() if self.client else None
+            self.chaos.flush_control = lambda: bridge.flush(self.timeouts.heartbeat_s)
         return accept
 
     def _hard_exit_record(self, reason: str) -> None:
@@ -639,11 +640,14 @@ class RankLoop:
             if self.job.outer.resets_inner:
                 self.optim.state = defaultdict(dict)  # DiLoCo: a fresh inner optimizer
             d, pre_norm, post_norm = divergence(pre, self.params, consume_pre=True)
-        self._send(
-            self.protocol.end_reduce(
-                cycle, divergence=d, pre_norm=pre_norm, post_norm=post_norm, consensus=total > 0
-            )
+        ack = self.protocol.end_reduce(
+            cycle, divergence=d, pre_norm=pre_norm, post_norm=post_norm, consensus=total > 0
         )
+        if self.chaos is not None:
+            self.chaos.before_ack()
+        self._send(ack)
+        if self.chaos is not None:
+            self.chaos.after_ack()
 
     def _pre_sync_copy(self) -> list[torch.Tensor]:
         """The parameters as they are before this rank's reduce, in buffers kept from round to

@@ -28,10 +28,16 @@ BS = 32
 
 
 def run(
-    tmp: Path, name: str, *args: str, limit_s: float = 150, tag: str | None = None
+    tmp: Path,
+    name: str,
+    *args: str,
+    limit_s: float = 150,
+    tag: str | None = None,
+    timeout_scale: float = 0.2,
 ) -> subprocess.CompletedProcess[str]:
-    """``callbacks_main.py`` with ``args``, logging to ``tmp/name``; its output is kept in
-    ``tmp/name.stdout`` and ``tmp/name.stderr``."""
+    """``callbacks_main.py`` with ``args``, logging to ``tmp/name``, its network deadlines
+    scaled by ``timeout_scale``; its output is kept in ``tmp/name.stdout`` and
+    ``tmp/name.stderr``."""
     out = subprocess.run(
         [
             *(sys.executable, str(SCRIPT), "--tag", tag or f"flodl-test-{uuid.uuid4().hex}"),
@@ -42,7 +48,7 @@ def run(
         text=True,
         timeout=limit_s,
         cwd=REPO,
-        env={**os.environ, "FLODL_NET_TIMEOUT_SCALE": "0.2"},
+        env={**os.environ, "FLODL_NET_TIMEOUT_SCALE": str(timeout_scale)},
     )
     (tmp / f"{name}.stdout").write_text(out.stdout)
     (tmp / f"{name}.stderr").write_text(out.stderr)

@@ -862,6 +862,63 @@ def test_close_after_the_loss_disarms_the_hard_exit(fast_coord: FakeCoordinator)
     assert elapsed >= LIVENESS_S + GRACE_S
 
 
+_FLUSH_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    from flodl.rank.bridge import RankBridge
+    from flodl.wire.frames import Hello, Metrics
+
+    bridge = RankBridge(
+        "127.0.0.1", int(sys.argv[1]), {secret!r},
+        Hello(run_id="bridge-test", rank=0, world_size=2, model_signature={sig!r}),
+        hard_exit_grace_s=None,
+    )
+    bridge.start()
+    for i in range({n}):
+        bridge.send(Metrics(rank=0, epoch=0, avg_loss=0.5, batches_processed=i,
+                            samples_processed=i, epoch_ms=1.0, share_complete_ms=1.0,
+                            compute_only_ms=1.0))
+    if not bridge.flush(10.0):
+        print("not flushed", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_frames_sent_before_a_flush_survive_a_sigkill_right_after_it(
+    coord: FakeCoordinator,
+) -> None:
+    """``flush()`` returns once the frames sent before it are in the kernel (chaos
+    ``kill_after_ack`` relies on it): a process SIGKILLed right after loses none of them."""
+    n = 3000
+    script = _FLUSH_CHILD.format(secret=SECRET, sig=SIGNATURE, n=n)
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(coord.port)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=CHILD_WAIT_S,
+        check=False,
+    )
+    assert out.returncode == -9 and out.stdout == "", (out.stdout, out.stderr)
+    got = []
+    while (frame := coord.next_frame()[1]) is not None:
+        got.append(frame)
+    assert [f.batches_processed for f in got if isinstance(f, Metrics)] == list(range(n))
+
+
+def test_flush_after_the_loss_returns_false(
+    coord: FakeCoordinator, make_bridge: BridgeFactory
+) -> None:
+    bridge = make_bridge(coord.port)
+    bridge.start()
+    assert bridge.flush(WAIT_S)  # nothing queued: at once
+    coord.stop()
+    assert bridge.lost.wait(WAIT_S)
+    assert bridge.flush(WAIT_S) is False
+
+
 def test_importing_the_bridge_does_not_import_torch() -> None:
     probe = (
         "import sys\n"

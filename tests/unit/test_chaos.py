@@ -87,6 +87,56 @@ def test_hooks_fire_each_fault_once_at_its_step(tmp_path: Path) -> None:
     assert recs[1]["data"]["step"] == 7 and recs[1]["data"]["class"] == "chaos"
 
 
+def test_a_fault_fires_in_the_incarnation_it_names_only() -> None:
+    """A respawned rank reads the same plan: its first incarnation's faults do not fire again
+    (a kill at step 10 would kill every respawn too); a fault may name a later incarnation."""
+    plan = ChaosPlan(
+        (Fault("kill", 1, step=10), Fault("stop", 1, step=3, duration_s=1.0, incarnation=1)),
+        seed=2,
+    )
+    assert ChaosPlan.from_env(plan.to_env()) == plan
+    env = {CHAOS_ENV: plan.to_env()}
+    first = RankChaos.from_environ(1, env)
+    assert first is not None and first.faults == [Fault("kill", 1, step=10)]
+    second = RankChaos.from_environ(1, env, incarnation=1)
+    assert second is not None and [f.kind for f in second.faults] == ["stop"]
+    assert RankChaos.from_environ(1, env, incarnation=2) is None
+    with pytest.raises(ConfigError, match="fault incarnation must be >= 0"):
+        Fault("kill", 0, step=1, incarnation=-1)
+
+
+def test_ack_faults_fire_around_the_next_sync_ack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``delay_ack`` holds the next ack (before it is sent), ``kill_after_ack`` flushes the
+    control connection and then kills (after it is sent); both once, at the next round."""
+    calls: list[str] = []
+    monkeypatch.setattr("flodl.chaos.time.sleep", lambda s: calls.append(f"sleep {s}"))
+    monkeypatch.setattr("flodl.chaos.os.kill", lambda pid, sig: calls.append(f"kill {sig.name}"))
+    chaos = RankChaos(
+        2,
+        [Fault("delay_ack", 2, step=4, duration_s=3.0), Fault("kill_after_ack", 2, step=6)],
+        str(tmp_path),
+        flush_control=lambda: calls.append("flush"),
+    )
+    chaos.before_ack()
+    chaos.after_ack()
+    assert calls == []  # nothing armed yet
+    chaos.on_step(4)
+    chaos.before_ack()
+    chaos.after_ack()
+    assert calls == ["sleep 3.0"]
+    chaos.on_step(6)
+    chaos.before_ack()
+    assert calls == ["sleep 3.0"]
+    chaos.after_ack()
+    assert calls == ["sleep 3.0", "flush", "kill SIGKILL"]
+    chaos.after_ack()  # once
+    assert calls == ["sleep 3.0", "flush", "kill SIGKILL"]
+    recs = RecordLog.tail(tmp_path, "root/chaos", 10)
+    assert [r["data"]["fault"] for r in recs] == ["delay_ack", "kill_after_ack"]
+
+
 def test_an_epoch_trigger_arms_at_the_first_step_of_that_epoch(tmp_path: Path) -> None:
     """However many steps the rank took in the epochs before (its share of each depends on
     the split), an epoch fault arms at its first step of that epoch or a later one, and never
