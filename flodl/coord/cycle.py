@@ -185,9 +185,6 @@ class Sessions:
         self.members = tuple(sorted(survivors))
         return self.session, self.members
 
-    def new_rank(self, rank: int) -> int:
-        return self.members.index(rank)
-
     def store_prefix(self, run_id: str) -> str:
         return f"{run_id}/s{self.session}"
 

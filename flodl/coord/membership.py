@@ -27,6 +27,7 @@ from flodl.config import JobSpec, MaxFailure
 from flodl.coord.cycle import Sessions
 from flodl.coord.effects import Effect, Send
 from flodl.coord.liveness import Liveness, RankState, unrecoverable_reason
+from flodl.coord.outbound import built_new_session
 from flodl.modes import ModeTraits
 from flodl.placement import Placement, gpu_key, placement_problem
 from flodl.timeouts import Timeouts
@@ -36,7 +37,6 @@ from flodl.wire.frames import (
     CoordFrame,
     DeclareDead,
     Hello,
-    NewSession,
     SaveReason,
 )
 
@@ -318,23 +318,14 @@ class Membership:
         prefix = self.sessions.store_prefix(self.run_id)
         out: list[Effect] = []
         declared = None if dead is None else DeclareDead(rank=dead, reason=reason)
+        shared = list(ranks)  # (one list for every member's frame: linear in the world size)
+        position = {r: i for i, r in enumerate(ranks)}
         for r in alive:
             if declared is not None:
                 out.append(Send(r, declared))
-            if r not in ranks:
-                continue
-            out.append(
-                Send(
-                    r,
-                    NewSession(
-                        session=session,
-                        store_prefix=prefix,
-                        new_rank=self.sessions.new_rank(r),
-                        new_world_size=len(ranks),
-                        ranks=list(ranks),
-                    ),
-                )
-            )
+            new_rank = position.get(r)
+            if new_rank is not None:
+                out.append(Send(r, built_new_session(session, prefix, new_rank, shared)))
         return out
 
     # ------------------------------------------------------------------ clocks
