@@ -6,11 +6,14 @@ come from ``FLODL_COORD`` / ``FLODL_SECRET_FILE`` / ``FLODL_RUN_ID``, exported o
 step; the rank and world size from ``SLURM_PROCID`` / ``SLURM_NTASKS`` (nothing rank-specific
 is set by hand). Rank ``R`` ends its first incarnation (``FLODL_RESTART_COUNT`` unset or 0) with
 ``os._exit(1)`` at its ``S``-th step, as a crashed task would, leaving ``DIR/crashed``; its
-restarted incarnation writes ``DIR/restarted`` as it starts, then joins. The other ranks hold
-their training (at most 60 s) from when they see ``DIR/crashed`` until ``DIR/restarted``
-exists, so the run is still going when the new incarnation joins, however long its start takes
-on a loaded machine (instead of a run made long enough by a guess). Each incarnation of rank r
-that ends its run writes ``DIR/rank<r>.<incarnation>.json`` (its steps).
+restarted incarnation writes ``DIR/restarted`` once the coordinator admitted it (the rank
+runtime's "rejoins the run" log line, right after its ``accept``). The other ranks hold their
+training (at most 60 s) from when they see ``DIR/crashed`` until ``DIR/restarted`` exists, so
+the run is still going when the new incarnation is admitted, however long its start takes on a
+loaded machine (instead of a run made long enough by a guess; holding only until the new
+process started left the run to end first, while it was still connecting, under CI's load).
+Each incarnation of rank r that ends its run writes ``DIR/rank<r>.<incarnation>.json`` (its
+steps).
 ``--tag`` is ignored: a test finds its processes by it.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -27,6 +31,18 @@ import torch.nn.functional as F
 from tiny_job import train
 
 from flodl.launch.env import ENV_RESTART, rank_env
+
+
+class _Admitted(logging.Handler):
+    """Touches ``path`` when the rank runtime says the coordinator admitted this rejoin."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(logging.INFO)
+        self.path = path
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "rejoins the run" in record.getMessage():
+            self.path.touch()
 
 
 def main() -> None:
@@ -46,7 +62,8 @@ def main() -> None:
     out = Path(args.out)
     crashed, restarted = out / "crashed", out / "restarted"
     if rank == args.crash_rank and incarnation > 0:
-        restarted.touch()
+        logging.getLogger("flodl.rank.runtime").addHandler(_Admitted(restarted))
+        logging.getLogger("flodl.rank.runtime").setLevel(logging.INFO)
     steps = [0]
 
     def hold() -> None:
