@@ -136,6 +136,21 @@ class Admission:
         self._grow_due = len(members) < len(alive)
         return self.membership.reform_session(dead, reason, members=members)
 
+    def reform_after_failure(self, rank: int, session: int) -> list[Effect]:
+        """Collective modes: member ``rank`` could not form ``session`` or its collective
+        failed in it (``session_failed``). Unless a newer session went out already (a death
+        re-forms on its own), the same ranks re-form under a new prefix: a member that was
+        busy past the formation deadline (a long callback), or a death not detected yet, left
+        the others waiting for a ``new_session`` that nothing else would send. While a cycle is
+        pending, with that cycle's ranks (as after a death); else with every live rank."""
+        sessions = self.membership.sessions
+        if session != sessions.session or rank not in sessions.members:
+            return []  # (stale, or not a member of it: nothing to re-form)
+        alive = self.membership.alive()
+        members = [r for r in alive if r in self.cycle.expected] if self.cycle.pending else alive
+        self._grow_due = len(members) < len(alive)
+        return self.membership.reform_session(None, members=members)
+
     def admit(self, rank: int, accept: Accept, now: float, out: list[Effect]) -> None:
         """Admit ``rank`` (its ``hello`` was not refused) into the running run."""
         membership = self.membership

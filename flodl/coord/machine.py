@@ -78,6 +78,7 @@ from flodl.wire.frames import (
     Reject,
     ResourceSample,
     SaveReason,
+    SessionFailed,
     SetGlobalStep,
     Shutdown,
     ShutdownWithSave,
@@ -662,6 +663,22 @@ class Coordinator:
     def _on_epoch_fn_elapsed(self, frame: EpochFnElapsed, now: float, out: list[Effect]) -> None:
         self.callbacks.observe_epoch_fn(frame.rank, frame.elapsed_ms, out)
 
+    def _on_session_failed(self, frame: SessionFailed, now: float, out: list[Effect]) -> None:
+        if self.traits.cpu_averaging:
+            return  # (no session to re-form: a CPU-mode rank never sends it)
+        reformed = self.admission.reform_after_failure(frame.rank, frame.session)
+        if reformed:
+            out.extend(reformed)
+            out.append(
+                Alert(
+                    "session_retry",
+                    self.paths[frame.rank],
+                    f"rank {frame.rank} could not form or use collective session "
+                    f"{frame.session} (a member late or gone): its members re-form as session "
+                    f"{self.membership.sessions.session}",
+                )
+            )
+
     def _on_resource_sample(self, frame: ResourceSample, now: float, out: list[Effect]) -> None:
         out.append(Record(self.paths[frame.rank], "resource", frame.model_dump()))
 
@@ -810,6 +827,7 @@ _RANK_FRAME_HANDLERS: dict[type, Any] = {
     CheckpointResult: Coordinator._on_checkpoint_result,
     BundleSaved: Coordinator._on_bundle_saved,
     EpochFnElapsed: Coordinator._on_epoch_fn_elapsed,
+    SessionFailed: Coordinator._on_session_failed,
     ResourceSample: Coordinator._on_resource_sample,
     PartitionRevoked: Coordinator._on_revoked,
     Exiting: Coordinator._on_exiting_frame,

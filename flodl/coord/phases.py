@@ -46,6 +46,7 @@ _TRAINING = _ALWAYS | {
     "checkpoint_result",
     "bundle_saved",
     "epoch_fn_elapsed",
+    "session_failed",
     "partition_revoked",
     "exiting",
 }

@@ -48,6 +48,7 @@ from flodl.wire.frames import (
     RequestParams,
     RevokePartition,
     SaveConsensusModel,
+    SessionFailed,
     SetEpochCallbackRole,
     SetGlobalStep,
     Shutdown,
@@ -481,10 +482,13 @@ class RankProtocol:
             return None, self.window_steps
         return SnapshotReady(rank=self.rank, cycle=cycle, step=self.step), self.window_steps
 
-    def collective_failed(self) -> None:
-        """A collective failed (a peer died): hold every frame but ``new_session``, a save and a
-        stop until the group re-forms."""
+    def collective_failed(self) -> SessionFailed:
+        """Forming the current session, or a collective in it, failed (a peer died, or was
+        late): hold every frame but ``new_session``, a save and a stop until the group
+        re-forms. Returns the ``session_failed`` to send: without a death nothing else would
+        make the coordinator re-form."""
         self.awaiting_session = True
+        return SessionFailed(rank=self.rank, session=self.session)
 
     def admitted(self, session: int, incarnation: int) -> None:
         """The ``accept`` arrived: the session, and — ``incarnation > 0`` — a rejoin."""

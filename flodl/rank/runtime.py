@@ -411,9 +411,13 @@ class RankLoop:
                     raise RunStopped(reason, detail)
 
     def _reform(self, prefix: str, rank: int, world_size: int, members: Sequence[int]) -> None:
-        """Form the announced session; if it cannot gather (a member died meanwhile), hold
-        everything but the next ``new_session``, which the coordinator sends for that death."""
+        """Form the announced session; if it cannot gather (a member died meanwhile, or was
+        busy past the deadline), hold everything but the next ``new_session`` and say so
+        (``session_failed``): the coordinator sends one for the death, or for the report."""
         if self.collective is None:
+            return
+        if self._newer_session():  # (it came while this rank was busy: this one cannot gather)
+            self.protocol.collective_failed()  # hold frames until it; no report: this is stale
             return
         if self.chaos is not None:
             self.chaos.in_reform()
@@ -423,7 +427,7 @@ class RankLoop:
             )
         except CollectiveFailed as exc:
             logger.warning("rank %d: %s; waiting for the next session", self.spec.rank, exc)
-            self.protocol.collective_failed()
+            self._send(self.protocol.collective_failed())
 
     def _newer_session(self) -> bool:
         """Whether a ``new_session`` after the one being formed has arrived (frames the bridge
@@ -698,10 +702,11 @@ class RankLoop:
                 self._await_session()
 
     def _await_session(self) -> None:
-        """Hold other frames until the coordinator re-forms the group without the dead (a
-        save and a stop are applied at once)."""
+        """Hold other frames until the coordinator re-forms the group, without the dead or,
+        for this rank's ``session_failed``, with the same members (a save and a stop are
+        applied at once)."""
         protocol = self.protocol
-        protocol.collective_failed()
+        self._send(protocol.collective_failed())
         while protocol.awaiting_session:
             self._obey(self._next_frame())
 

@@ -606,7 +606,7 @@ class SimCluster:
         self._collective.get(key, set()).discard(rank)
         r.group = None
         r.busy = None
-        r.proto.collective_failed()
+        self._to_coord(r.proto.collective_failed())
         self._step(r)
 
     def _reduced(self, payload: tuple[int, tuple[int, ...], int | None]) -> None:

@@ -57,6 +57,7 @@ __all__ = [
     "CheckpointResult",
     "BundleSaved",
     "EpochFnElapsed",
+    "SessionFailed",
     "ResourceSample",
     "Exiting",
     "RankExited",
@@ -96,9 +97,11 @@ __all__ = [
     "COORD_FRAME_KINDS",
 ]
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Version of the control protocol, in every ``hello`` and in the server's challenge; bumped on
-any incompatible change of a frame, of the codec or of the handshake. 8: ``update.global_step``
+any incompatible change of a frame, of the codec or of the handshake. 9: ``session_failed`` (a
+member could not form its collective session, or its collective failed, and says so instead of
+waiting for a ``new_session`` that only a death would bring); 8: ``update.global_step``
 (the CPU modes' ``set_global_step``, folded in) and ``batch.metrics`` (a slice's report on its
 last batch); 7: no ``snapshot_ready`` from the ranks of CPU Sync and Cadence; 6: ``hello.gpu``
 (the physical GPU behind a CUDA rank's device) and ``resource_sample.device`` / ``gpu_name``;
@@ -345,6 +348,17 @@ class EpochFnElapsed(_Frame):
     rank: RankId
     epoch: Count
     elapsed_ms: Millis
+
+
+class SessionFailed(_Frame):
+    """A member of collective session ``session`` could not form it (not every member arrived
+    in time) or its collective failed in it; it holds its frames until the next
+    ``new_session``, which the coordinator sends for this report when no death does first
+    (docs/design.md §2b, "Collective sessions")."""
+
+    kind: Literal["session_failed"] = "session_failed"
+    rank: RankId
+    session: Count
 
 
 class ResourceSample(_Frame):
@@ -615,6 +629,7 @@ RankFrame = (
     | CheckpointResult
     | BundleSaved
     | EpochFnElapsed
+    | SessionFailed
     | ResourceSample
     | PartitionRevoked
     | Exiting

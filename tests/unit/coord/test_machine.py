@@ -61,6 +61,7 @@ from flodl.wire.frames import (
     RequestParams,
     RevokePartition,
     SaveConsensusModel,
+    SessionFailed,
     SetEpochCallbackRole,
     SetGlobalStep,
     Shutdown,
@@ -1003,6 +1004,56 @@ def test_collective_death_reforms_the_session_with_renumbered_ranks() -> None:
         (3, session(2, new_rank=1, ranks=[1, 3])),
     ]
     assert sends(effects, ShutdownWithSave) == []
+
+
+def test_a_session_failed_re_forms_the_same_members_once_per_session() -> None:
+    # Rank 1 could not gather session 1 (a member busy past the deadline): the same members
+    # re-form as session 2 (nothing else would: no death). A second report of session 1 is
+    # stale; a report from a rank outside the session, or a dead one, re-forms nothing.
+    c = joined("nccl_cadence", world_size=4, dataset_len=6400)
+    c.kill(0)
+    survivors = [1, 2, 3]
+    out = c.feed(SessionFailed(rank=1, session=1))
+    assert sends(out, NewSession) == [
+        (r, session(2, new_rank=i, ranks=survivors)) for i, r in enumerate(survivors)
+    ]
+    assert sends(out, DeclareDead) == []
+    [alert] = [a for a in of(out, Alert) if a.cls == "session_retry"]
+    assert "rank 1 could not form or use collective session 1" in alert.detail
+    assert "re-form as session 2" in alert.detail
+    assert c.feed(SessionFailed(rank=2, session=1)) == []  # stale: session 2 went out
+    assert c.feed(SessionFailed(rank=0, session=2)) == []  # the dead rank
+    out = c.feed(SessionFailed(rank=3, session=2))  # session 2 failed too: session 3
+    assert [f.session for _, f in sends(out, NewSession)] == [3, 3, 3]
+    c.run()
+    assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
+    for epoch in range(c.config.total_epochs):
+        cov = c.coord.coverage(epoch)
+        assert cov is not None and cov.ok, (epoch, cov)
+
+
+@pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence"])
+def test_a_session_failed_while_a_cycle_is_pending_re_forms_that_cycles_ranks(mode: str) -> None:
+    # Rank 1 rejoined after the pending cycle's trigger (it is outside the group until the
+    # grow): a report re-forms the pending cycle's ranks only, as a death would, and rank 1
+    # comes in at the grow once the cycle is over; its own report (not a member) re-forms
+    # nothing
+    c, _, _ = rejoined_in_a_pending_cycle(mode, 4)
+    current = c.coord.membership.sessions.session
+    assert c.feed(SessionFailed(rank=1, session=current)) == []
+    out = c.feed(SessionFailed(rank=2, session=current))
+    assert sorted(r for r, _ in sends(out, NewSession)) == [0, 2, 3]
+    mark = len(c.trace)
+    c.run(until=lambda: bool(sends(c.trace[mark:], NewSession)))
+    assert not c.coord.cycle.pending
+    assert sorted(r for r, _ in sends(c.trace[mark:], NewSession)) == [0, 1, 2, 3]
+    c.run()
+    assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
+
+
+def test_a_session_failed_in_a_cpu_mode_changes_nothing() -> None:
+    c = joined("cpu_cadence", world_size=3, dataset_len=3200)
+    assert c.feed(SessionFailed(rank=1, session=0)) == []
 
 
 def test_cpu_death_sends_no_session_frames() -> None:

@@ -61,6 +61,7 @@ from flodl.wire.frames import (
     ResourceSample,
     RevokePartition,
     SaveConsensusModel,
+    SessionFailed,
     SetEpochCallbackRole,
     SetGlobalStep,
     Shutdown,
@@ -220,6 +221,7 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
         rank=1, version=7, model=True, elapsed_ms=42.0, error="read-only file system"
     ),
     "epoch_fn_elapsed": lambda: EpochFnElapsed(rank=2, epoch=6, elapsed_ms=33.25),
+    "session_failed": lambda: SessionFailed(rank=2, session=5),
     "resource_sample": lambda: ResourceSample(
         rank=3,
         cpu_percent=350.5,
@@ -492,6 +494,7 @@ BAD: list[tuple[str, str, dict[str, Any]]] = [
     ("eval_result-elapsed-nan", "eval_result", {"elapsed_ms": NAN}),
     ("checkpoint_result-elapsed-negative", "checkpoint_result", {"elapsed_ms": -2.0}),
     ("epoch_fn_elapsed-elapsed-inf", "epoch_fn_elapsed", {"elapsed_ms": INF}),
+    ("session_failed-session-negative", "session_failed", {"session": -1}),
     ("accept-timeout-zero", "accept", {"heartbeat_timeout_s": 0.0}),
     ("accept-timeout-inf", "accept", {"heartbeat_timeout_s": INF}),
     ("accept-scale-below-floor", "accept", {"timeout_scale": 0.001}),
