@@ -18,8 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from processes import left_running
 
 from flodl import checkpoint
+from flodl.chaos import ChaosPlan
+from flodl.monitor.records import read_tree
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "callbacks_main.py"
@@ -53,6 +56,36 @@ def run(
     (tmp / f"{name}.stdout").write_text(out.stdout)
     (tmp / f"{name}.stderr").write_text(out.stderr)
     return out
+
+
+def completed_chaos_run(
+    tmp: Path,
+    mode: str,
+    plan: ChaosPlan,
+    *args: str,
+    epochs: int,
+    samples: int,
+    timeout_scale: float = 0.2,
+) -> tuple[subprocess.CompletedProcess[str], dict[str, list[dict[str, Any]]]]:
+    """A 3-rank ``callbacks_main.py`` run of ``mode`` with ``args`` and the chaos ``plan``,
+    logging to ``tmp/a``, that must complete with identical replicas and leave no process
+    behind; its output and its record tree."""
+    tag = f"flodl-test-{uuid.uuid4().hex}"
+    records = tmp / "records"
+    out = run(
+        tmp,
+        "a",
+        *("--mode", mode, "--epochs", str(epochs), "--samples", str(samples), "--ranks", "3"),
+        *args,
+        *("--chaos", plan.to_env(), "--records", str(records)),
+        tag=tag,
+        timeout_scale=timeout_scale,
+        limit_s=240,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert done(out.stdout) == {"save_reason": None, "replicas_agree": True}
+    assert left_running(tag, 15) == [], "a process of the run outlived it"
+    return out, read_tree(records)
 
 
 def forget_run(tmp: Path, name: str, stem: Path) -> None:

@@ -12,16 +12,13 @@ that only another death would have sent, until the stall ceiling ended the run
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from processes import left_running
-from resume_runs import done, rank_batches, run
+from resume_runs import completed_chaos_run, rank_batches
 
 from flodl.chaos import ChaosPlan, Fault
-from flodl.monitor.records import read_tree
 
 pytestmark = pytest.mark.integration
 
@@ -34,25 +31,16 @@ EPOCHS = 2
 def test_a_member_late_to_a_reformed_session_is_waited_for_not_wedged(
     mode: str, tmp_path: Path
 ) -> None:
-    plan = ChaosPlan((Fault("kill", 1, epoch=1),))
-    tag = f"flodl-test-{uuid.uuid4().hex}"
-    records = tmp_path / "records"
-    out = run(
+    out, tree = completed_chaos_run(
         tmp_path,
-        "a",
-        *("--mode", mode, "--epochs", str(EPOCHS), "--samples", str(N), "--ranks", "3"),
+        mode,
+        ChaosPlan((Fault("kill", 1, epoch=1),)),
         *("--slow", "0:20,1:20,2:20", "--epoch-fn-sleep", "12", "--policy", "2"),
-        *("--chaos", plan.to_env(), "--records", str(records)),
-        tag=tag,
-        limit_s=240,
+        epochs=EPOCHS,
+        samples=N,
     )
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert done(out.stdout) == {"save_reason": None, "replicas_agree": True}
-    assert left_running(tag, 15) == [], "a process of the run outlived it"
     # the case: rank 0 gave up gathering while rank 2 was in its callback
     assert "not every member arrived within 8 s; waiting for the next session" in out.stderr
-
-    tree = read_tree(records)
     events = [r["data"] for recs in tree.values() for r in recs if r["kind"] == "event"]
     classes = Counter(e["class"] for e in events)
     assert classes["rank_lost"] == 1 and "coverage" not in classes, classes

@@ -14,17 +14,14 @@ group with the pending cycle's ranks and the admitted rank comes in after it.
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from processes import left_running
-from resume_runs import done, rank_batches, run
+from resume_runs import completed_chaos_run, rank_batches
 
 from flodl.chaos import ChaosPlan, Fault
 from flodl.config import MODES
-from flodl.monitor.records import read_tree
 
 pytestmark = pytest.mark.integration
 
@@ -52,24 +49,17 @@ def test_a_rank_killed_after_its_ack_rejoins_while_that_round_is_pending(
             Fault("delay_ack", 2, epoch=1, duration_s=DELAY_S),
         )
     )
-    tag = f"flodl-test-{uuid.uuid4().hex}"
-    records = tmp_path / "records"
-    out = run(
+    out, tree = completed_chaos_run(
         tmp_path,
-        "a",
-        *("--mode", mode, "--epochs", str(EPOCHS), "--samples", str(N), "--ranks", "3"),
+        mode,
+        plan,
         *("--max-anchor", "5", "--slow", "0:40,1:40,2:40", "--respawn", "1"),
-        *("--chaos", plan.to_env(), "--records", str(records)),
-        tag=tag,
+        epochs=EPOCHS,
+        samples=N,
         timeout_scale=SCALE,
-        limit_s=240,
     )
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert done(out.stdout) == {"save_reason": None, "replicas_agree": True}
     assert "rank 1 exited with code -9: respawning it (1 of 1); it rejoins the run" in out.stderr
-    assert left_running(tag, 15) == [], "a process of the run outlived it"
 
-    tree = read_tree(records)
     fired = {r["data"]["fault"]: r for r in tree["root/chaos"] if r["kind"] == "event"}
     assert set(fired) == {"kill_after_ack", "delay_ack"}  # each once: the respawn fires none
     events = [r for recs in tree.values() for r in recs if r["kind"] == "event"]

@@ -337,6 +337,15 @@ def joined(mode: str = "cpu_cadence", world_size: int = 2, **kw: Any) -> Cluster
     return cluster
 
 
+def runs_to_completion(c: Cluster) -> None:
+    """Run ``c`` to its end: the run completes, every epoch's coverage exact."""
+    c.run()
+    assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
+    for epoch in range(c.config.total_epochs):
+        cov = c.coord.coverage(epoch)
+        assert cov is not None and cov.ok, (epoch, cov)
+
+
 def heartbeat_all(c: Cluster, ranks: Sequence[int]) -> None:
     for r in ranks:
         c.feed(Heartbeat(rank=r, step=c.step[r]))
@@ -476,12 +485,8 @@ def test_a_death_while_a_rejoined_rank_awaits_the_pending_cycle_re_forms_without
     grown = sends(c.trace[mark:], NewSession)
     assert sorted(r for r, _ in grown) == [0, 1, 2]
     assert all(f.ranks == [0, 1, 2] for _, f in grown)
-    c.run()
-    assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
+    runs_to_completion(c)
     assert c.step[1] > 0
-    for epoch in range(c.config.total_epochs):
-        cov = c.coord.coverage(epoch)
-        assert cov is not None and cov.ok, (epoch, cov)
 
 
 @pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence"])
@@ -494,11 +499,7 @@ def test_the_death_of_a_rejoined_rank_outside_the_group_re_forms_nothing(mode: s
     out = c.kill(1)
     assert sorted(r for r, _ in sends(out, DeclareDead)) == [0, 2, 3]
     assert sends(out, NewSession) == []
-    c.run()
-    assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
-    for epoch in range(c.config.total_epochs):
-        cov = c.coord.coverage(epoch)
-        assert cov is not None and cov.ok, (epoch, cov)
+    runs_to_completion(c)
 
 
 def revive(c: Cluster, rank: int) -> list[Effect]:
@@ -1025,11 +1026,7 @@ def test_a_session_failed_re_forms_the_same_members_once_per_session() -> None:
     assert c.feed(SessionFailed(rank=0, session=2)) == []  # the dead rank
     out = c.feed(SessionFailed(rank=3, session=2))  # session 2 failed too: session 3
     assert [f.session for _, f in sends(out, NewSession)] == [3, 3, 3]
-    c.run()
-    assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
-    for epoch in range(c.config.total_epochs):
-        cov = c.coord.coverage(epoch)
-        assert cov is not None and cov.ok, (epoch, cov)
+    runs_to_completion(c)
 
 
 @pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence"])
@@ -1447,11 +1444,7 @@ def test_a_rank_rejoining_mid_epoch_gets_a_share_of_the_open_partitions(mode: st
     [done] = [e.data for e in after if isinstance(e, Record) and e.kind == "repartitioned"]
     assert asked["untrained"] == sum(untrained) and dict(asked["owed"])[2] >= given
     assert dict(done["given"]) == {2: given}
-    c.run()
-    assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
-    for epoch in range(c.config.total_epochs):
-        cov = c.coord.coverage(epoch)
-        assert cov is not None and cov.ok, (epoch, cov)
+    runs_to_completion(c)
     assert c.coord.coverage(0).committed == 300  # type: ignore[union-attr]
 
 
@@ -1466,11 +1459,7 @@ def test_a_donor_that_dies_before_it_answers_forfeits_the_asked_range_too() -> N
     # the re-split is over: nothing is owed any more (a later re-split starts from scratch)
     assert not c.coord.dispatch.wants
     assert [e.kind for e in out if isinstance(e, Record)].count("repartitioned") == 1
-    c.run()
-    assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
-    for epoch in range(c.config.total_epochs):
-        cov = c.coord.coverage(epoch)
-        assert cov is not None and cov.ok, (epoch, cov)
+    runs_to_completion(c)
 
 
 @pytest.mark.parametrize(
