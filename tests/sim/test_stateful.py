@@ -26,6 +26,7 @@ from flodl.wire.frames import (
     Hello,
     Metrics,
     RankFrame,
+    SessionFailed,
     SnapshotReady,
     StartEpoch,
     SyncAck,
@@ -103,6 +104,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 compute_only_ms=5.0,
             )
         )
+
+    @rule(rank=st.integers(0, W - 1), offset=st.integers(-1, 1))
+    def session_failed(self, rank: int, offset: int) -> None:
+        # the current session, a stale one or one not opened yet (a collective mode re-forms
+        # for the current one only; a CPU mode has none to re-form)
+        session = max(0, self.coord.membership.sessions.session + offset)
+        self._feed(SessionFailed(rank=rank, session=session))
 
     @rule(rank=st.integers(0, W - 1))
     def heartbeat(self, rank: int) -> None:
