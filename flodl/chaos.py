@@ -280,16 +280,12 @@ class RankChaos:
         self.on_step(0)
 
     def before_reduce(self) -> None:
-        fault = self._armed.pop("delay_reduce", None)
-        if fault is not None:
-            time.sleep(fault.duration_s)
+        self._sleep_if_armed("delay_reduce")
         self._kill_if_armed("kill_in_reduce")
 
     def before_ack(self) -> None:
         """The rank has the round's average; its ``sync_ack`` is about to leave."""
-        fault = self._armed.pop("delay_ack", None)
-        if fault is not None:
-            time.sleep(fault.duration_s)
+        self._sleep_if_armed("delay_ack")
 
     def after_ack(self) -> None:
         """The round's ``sync_ack`` was sent: ``kill_after_ack`` once it is on the wire."""
@@ -322,6 +318,13 @@ class RankChaos:
         return [params[0] + 1e-3, *params[1:]]
 
     # ------------------------------------------------------------------ faults
+    def _sleep_if_armed(self, kind: str) -> None:
+        """Fire the armed delay ``kind``: this thread waits its ``duration_s`` (recorded when
+        it was armed)."""
+        fault = self._armed.pop(kind, None)
+        if fault is not None:
+            time.sleep(fault.duration_s)
+
     def _kill_if_armed(self, kind: str, pid: int | None = None) -> None:
         """Fire the armed hook fault ``kind``: record it, then SIGKILL ``pid`` (this process
         unless given; the launcher for ``kill_coordinator_in_save``)."""

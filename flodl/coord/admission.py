@@ -132,9 +132,7 @@ class Admission:
             # that take the new one first)
             self._grow_due = not set(alive) <= set(self.membership.sessions.members)
             return self.membership.broadcast(DeclareDead(rank=dead, reason=reason))
-        members = [r for r in alive if r in self.cycle.expected] if self.cycle.pending else alive
-        self._grow_due = len(members) < len(alive)
-        return self.membership.reform_session(dead, reason, members=members)
+        return self._reform(alive, dead, reason)
 
     def reform_after_failure(self, rank: int, session: int) -> list[Effect]:
         """Collective modes: member ``rank`` could not form ``session`` or its collective
@@ -144,12 +142,16 @@ class Admission:
         the others waiting for a ``new_session`` that nothing else would send. While a cycle is
         pending, with that cycle's ranks (as after a death); else with every live rank."""
         sessions = self.membership.sessions
-        if session != sessions.session or rank not in sessions.members:
-            return []  # (stale, or not a member of it: nothing to re-form)
-        alive = self.membership.alive()
+        if not self.collective or session != sessions.session or rank not in sessions.members:
+            return []  # (no sessions, a stale one, or not a member of it: nothing to re-form)
+        return self._reform(self.membership.alive(), None)
+
+    def _reform(self, alive: list[int], dead: int | None, reason: str = "") -> list[Effect]:
+        """A new session: while a cycle is pending with that cycle's ranks only (the grow
+        follows it), else with every live rank (no grow due any more)."""
         members = [r for r in alive if r in self.cycle.expected] if self.cycle.pending else alive
         self._grow_due = len(members) < len(alive)
-        return self.membership.reform_session(None, members=members)
+        return self.membership.reform_session(dead, reason, members=members)
 
     def admit(self, rank: int, accept: Accept, now: float, out: list[Effect]) -> None:
         """Admit ``rank`` (its ``hello`` was not refused) into the running run."""

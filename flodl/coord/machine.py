@@ -664,8 +664,6 @@ class Coordinator:
         self.callbacks.observe_epoch_fn(frame.rank, frame.elapsed_ms, out)
 
     def _on_session_failed(self, frame: SessionFailed, now: float, out: list[Effect]) -> None:
-        if self.traits.cpu_averaging:
-            return  # (no session to re-form: a CPU-mode rank never sends it)
         reformed = self.admission.reform_after_failure(frame.rank, frame.session)
         if reformed:
             out.extend(reformed)
