@@ -100,6 +100,18 @@ def _coord(d: dict[str, Any]) -> list[Headline]:
     ]
 
 
+def _reform(d: dict[str, Any]) -> list[Headline]:
+    big = max(d["rows"], key=lambda r: r["world"])
+    total = big["machine_ms"] + big["encode_ms"]
+    return [
+        _row(
+            f"re-form after a death at {big['world']:,} ranks: coordinator + encoding",
+            f"{total:.1f} ms ({1e3 * big['encode_ms'] / big['members']:.1f} µs per member "
+            f"encoded, {big['bytes'] / 2**20:.2f} MiB sent)",
+        )
+    ]
+
+
 def _reduce(d: dict[str, Any]) -> list[Headline]:
     out = []
     for r in d["rows"]:
@@ -334,6 +346,7 @@ SPECS: dict[str, Spec] = {
     "bench_wire": Spec(["--quick"], ["--quick"], 45, _wire),
     "bench_tensor_wire": Spec(["--mib", "32"], ["--mib", "8"], 45, _tensor_wire),
     "bench_coord": Spec(["--quick"], ["--quick"], 45, _coord),
+    "bench_reform": Spec(["--repeat", "1"], ["--sizes", "64,512", "--repeat", "1"], 30, _reform),
     "bench_reduce": Spec(["--quick"], ["--quick", "--reps", "1"], 120, _reduce),
     "bench_convergence": Spec(
         ["--seeds", "1", "--epochs", "1", "--samples", "12000", "--ranks", "2"],
@@ -384,7 +397,7 @@ SPECS: dict[str, Spec] = {
         _replay,
     ),
     "bench_gpu": Spec([], [], 30, _gpu),
-    "bench_startup": Spec(["--repeat", "1"], ["--repeat", "1"], 60, _startup),
+    "bench_startup": Spec(["--repeat", "1"], ["--repeat", "1"], 30, _startup),
 }
 
 

@@ -318,14 +318,15 @@ class Membership:
         prefix = self.sessions.store_prefix(self.run_id)
         out: list[Effect] = []
         declared = None if dead is None else DeclareDead(rank=dead, reason=reason)
-        shared = list(ranks)  # (one list for every member's frame: linear in the world size)
-        position = {r: i for i, r in enumerate(ranks)}
+        # One frame for every member (a member finds its position among them): the shell
+        # encodes its body once (docs/design.md §1, protocol 10).
+        frame = built_new_session(session, prefix, ranks)
+        members_set = set(ranks)
         for r in alive:
             if declared is not None:
                 out.append(Send(r, declared))
-            new_rank = position.get(r)
-            if new_rank is not None:
-                out.append(Send(r, built_new_session(session, prefix, new_rank, shared)))
+            if r in members_set:
+                out.append(Send(r, frame))
         return out
 
     # ------------------------------------------------------------------ clocks

@@ -3,9 +3,9 @@
 A rank opens one client to the coordinator's ``TCPStore`` (:class:`flodl.service.store.StoreHost`)
 and forms its process group on a ``PrefixStore``: session 0 is the full world under
 ``f"{run_id}/s0"``; after a death the coordinator sends each survivor ``NewSession`` with a fresh
-``store_prefix`` and the survivor's ``new_rank`` among the ascending surviving global ranks, and
-the rank calls :meth:`Collective.form` again (docs/design.md §2). Backend: NCCL on CUDA devices,
-Gloo on CPU devices.
+``store_prefix`` and the ascending surviving global ranks, the survivor's position among them
+its rank in the new group, and the rank calls :meth:`Collective.form` again (docs/design.md
+§2). Backend: NCCL on CUDA devices, Gloo on CPU devices.
 
 Every method runs on the rank's main thread only. Averaging (docs/design.md §2b):
 

@@ -30,6 +30,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from flodl.errors import RemoteProtocolError
 from flodl.wire.frames import (
     Batch,
     Checkpoint,
@@ -295,6 +296,26 @@ class RankProtocol:
         self.deferred.extendleft(reversed(self.held))
         self.held = []
 
+    def reform_of(self, frame: NewSession) -> Reform:
+        """What ``frame`` asks of this rank: form the session at its position among the
+        members (protocol 10: every member gets the same frame).
+
+        Raises:
+            RemoteProtocolError: the frame does not list this rank (nothing changed).
+        """
+        position = frame.position(self.rank)
+        if position is None:
+            raise RemoteProtocolError(
+                f"new_session {frame.session} does not list rank {self.rank} among its members"
+            )
+        return Reform(
+            frame.session,
+            frame.store_prefix,
+            position,
+            frame.new_world_size,
+            tuple(frame.members()),
+        )
+
     def _apply(self, frame: CoordFrame) -> list[Action]:
         match frame:
             case StartEpoch(plan=plan):
@@ -322,11 +343,10 @@ class RankProtocol:
             case SetGlobalStep(global_step=g):
                 self.global_step = g
                 self.local_since_avg = 0
-            case NewSession(
-                session=s, store_prefix=prefix, new_rank=nr, new_world_size=nw, ranks=members
-            ):
-                self.session = s
-                return [Reform(s, prefix, nr, nw, tuple(members))]
+            case NewSession():
+                reform = self.reform_of(frame)
+                self.session = reform.session
+                return [reform]
             case RevokePartition():
                 return [Answer(self._revoke(frame))]
             case DeclareDead(rank=r, reason=why):

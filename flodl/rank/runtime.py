@@ -252,7 +252,11 @@ class RankLoop:
         first = self._next_frame()
         # A run that started below its maximum world size forms its collective group among
         # the ranks that joined: the coordinator's first frame announces that session.
-        formed = first if isinstance(first, NewSession) and accept.incarnation == 0 else None
+        formed = (
+            self.protocol.reform_of(first)
+            if isinstance(first, NewSession) and accept.incarnation == 0
+            else None
+        )
         if formed is None:
             self.protocol.deferred.append(first)
         else:
@@ -288,7 +292,7 @@ class RankLoop:
                 case _:  # Wait (Broadcast is done in begin())
                     self._obey(self._next_frame())
 
-    def _connect_backend(self, accept: Accept, formed: NewSession | None = None) -> None:
+    def _connect_backend(self, accept: Accept, formed: Reform | None = None) -> None:
         spec = self.spec
         if self.el.traits.cpu_averaging:
             from flodl.rank.reduce_client import ReduceClient

@@ -67,7 +67,7 @@ from flodl.coord.machine import Coordinator
 from flodl.errors import FrameError
 from flodl.service.heap import HeapFreeze
 from flodl.service.refusals import Refusals
-from flodl.wire.codec import MAX_CONTROL_FRAME_BYTES, AnyFrame
+from flodl.wire.codec import MAX_CONTROL_FRAME_BYTES, AnyFrame, SharedBodies
 from flodl.wire.control_hello import NONCE_BYTES, connection_key, encode_challenge, new_nonce
 from flodl.wire.frames import (
     RANK_FRAME_KINDS,
@@ -537,10 +537,13 @@ class CoordinatorServer:
             self._timer = loop.call_at(at, self._on_timer)
 
     def _apply(self, effects: list[Effect]) -> None:
+        # A frame sent to many ranks (a heartbeat, a new_session, set_global_step) is the
+        # same instance in every Send: its body is encoded once per batch of effects.
+        bodies = SharedBodies()
         for effect in effects:
             match effect:
                 case Send(rank=rank, frame=frame):
-                    self._send(rank, frame)
+                    self._send(rank, frame, bodies)
                 case Reply(frame=frame):
                     self._reply(frame)
                 case RefusePeer(reason=reason):
@@ -591,11 +594,11 @@ class CoordinatorServer:
         except Exception:
             logger.exception("effect sink failed on %s", type(effect).__name__)
 
-    def _send(self, rank: int, frame: CoordFrame) -> None:
+    def _send(self, rank: int, frame: CoordFrame, bodies: SharedBodies) -> None:
         peer = self._by_rank.get(rank)
         if peer is None or peer.closed:
             return  # the machine learns of the loss from PeerLost / ChildExited
-        self._write(peer, frame)
+        self._write(peer, frame, bodies.body(frame))
 
     def _reply(self, frame: CoordFrame) -> None:
         peer = self._current
@@ -610,11 +613,11 @@ class CoordinatorServer:
                 self._by_rank[frame.rank] = peer
         self._write(peer, frame)
 
-    def _write(self, peer: _Peer, frame: CoordFrame) -> None:
+    def _write(self, peer: _Peer, frame: CoordFrame, body: bytes | None = None) -> None:
         writer = peer.writer
         assert writer is not None, "a frame to a peer before its handshake"
         try:
-            writer.write_nowait(frame)
+            writer.write_nowait(frame, body)
         except (ConnectionError, OSError, RuntimeError) as exc:
             self._drop(peer, frame, f"write failed: {exc}")
             return

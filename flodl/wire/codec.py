@@ -35,10 +35,13 @@ __all__ = [
     "AnyFrame",
     "auth_tag",
     "check_secret",
+    "encode_body",
     "encode_frame",
     "decode_frame",
     "decode_body",
     "body_length",
+    "seal_body",
+    "SharedBodies",
     "verify_tag",
 ]
 
@@ -91,6 +94,59 @@ def auth_tag(secret: bytes, header: bytes, body: bytes | memoryview, seq: int = 
     return mac.digest()[:TAG_BYTES]
 
 
+def encode_body(frame: AnyFrame) -> bytes:
+    """``frame``'s msgpack body, to seal with :func:`seal_body` for each connection it goes to.
+
+    A frame sent to many peers (a broadcast, one ``new_session`` for every member) is encoded
+    once this way: the tag differs per connection (its key and ``seq``), the body does not.
+    """
+    # ``to_python`` is what ``model_dump(mode="python")`` calls, without its wrapper's overhead.
+    body: bytes = msgpack.packb(frame.__pydantic_serializer__.to_python(frame), use_bin_type=True)
+    return body
+
+
+class SharedBodies:
+    """The bodies of the frames of one batch of sends, each frame encoded once however many
+    connections it goes to (a broadcast, a ``new_session`` for every member).
+
+    Keyed by the frame's identity; each entry holds its frame, so no id is reused while the
+    cache lives. Keep one per batch of sends, not longer (it holds every frame it saw).
+    """
+
+    __slots__ = ("_bodies",)
+
+    def __init__(self) -> None:
+        self._bodies: dict[int, tuple[AnyFrame, bytes]] = {}
+
+    def body(self, frame: AnyFrame) -> bytes:
+        """``frame``'s body (:func:`encode_body`), encoded on its first call only."""
+        entry = self._bodies.get(id(frame))
+        if entry is not None and entry[0] is frame:
+            return entry[1]
+        body = encode_body(frame)
+        self._bodies[id(frame)] = (frame, body)
+        return body
+
+
+def seal_body(
+    body: bytes,
+    secret: bytes,
+    *,
+    kind: str,
+    seq: int = 0,
+    max_bytes: int = MAX_CONTROL_FRAME_BYTES,
+) -> bytes:
+    """Wire bytes (length, body, tag) of the body :func:`encode_body` made of a ``kind`` frame.
+
+    Raises:
+        FrameError: the body exceeds ``max_bytes`` (a frame the peer would refuse).
+    """
+    if len(body) > max_bytes:
+        raise FrameError(f"{kind} frame body is {len(body)} B, over the {max_bytes} B ceiling")
+    header = _LEN.pack(len(body))
+    return header + body + auth_tag(secret, header, body, seq)
+
+
 def encode_frame(
     frame: AnyFrame,
     secret: bytes,
@@ -103,14 +159,7 @@ def encode_frame(
     Raises:
         FrameError: the encoded body exceeds ``max_bytes`` (a frame the peer would refuse).
     """
-    # ``to_python`` is what ``model_dump(mode="python")`` calls, without its wrapper's overhead.
-    body: bytes = msgpack.packb(frame.__pydantic_serializer__.to_python(frame), use_bin_type=True)
-    if len(body) > max_bytes:
-        raise FrameError(
-            f"{frame.kind} frame body is {len(body)} B, over the {max_bytes} B ceiling"
-        )
-    header = _LEN.pack(len(body))
-    return header + body + auth_tag(secret, header, body, seq)
+    return seal_body(encode_body(frame), secret, kind=frame.kind, seq=seq, max_bytes=max_bytes)
 
 
 def body_length(header: bytes, *, max_bytes: int = MAX_CONTROL_FRAME_BYTES) -> int:

@@ -30,9 +30,10 @@ store itself; :class:`NewSession` carries a fresh store prefix instead of a 128-
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
 
 from flodl.config import MAX_SCALARS, JobSpec
 
@@ -76,6 +77,7 @@ __all__ = [
     "SetGlobalStep",
     "DeclareDead",
     "NewSession",
+    "rank_spans",
     "Checkpoint",
     "SaveConsensusModel",
     "ExecuteEval",
@@ -97,9 +99,12 @@ __all__ = [
     "COORD_FRAME_KINDS",
 ]
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Version of the control protocol, in every ``hello`` and in the server's challenge; bumped on
-any incompatible change of a frame, of the codec or of the handshake. 9: ``session_failed`` (a
+any incompatible change of a frame, of the codec or of the handshake. 10: ``new_session`` has
+no ``new_rank`` and names its members as runs of consecutive ranks (``spans``), so every member
+of a session gets the same frame, encoded once, of a size that grows with the gaps in the
+member list instead of the world size; 9: ``session_failed`` (a
 member could not form its collective session, or its collective failed, and says so instead of
 waiting for a ``new_session`` that only a death would bring); 8: ``update.global_step``
 (the CPU modes' ``set_global_step``, folded in) and ``batch.metrics`` (a slice's report on its
@@ -518,19 +523,76 @@ class DeclareDead(_Frame):
     reason: Text = ""
 
 
-class NewSession(_Frame):
-    """Re-form the collective group among survivors after a death.
+def rank_spans(ranks: Iterable[int]) -> list[tuple[int, int]]:
+    """Strictly ascending global ranks as runs of consecutive ranks, ``(first, count)`` each:
+    the members of a :class:`NewSession` as the frame carries them."""
+    spans: list[tuple[int, int]] = []
+    first = count = -1
+    for r in ranks:
+        if count > 0 and r == first + count:
+            count += 1
+            continue
+        if count > 0:
+            spans.append((first, count))
+        first, count = r, 1
+    if count > 0:
+        spans.append((first, count))
+    return spans
 
-    ``ranks`` lists the surviving global ranks in ascending order; a survivor's ``new_rank``
-    is its position in that list.
+
+class NewSession(_Frame):
+    """Re-form the collective group among the session's members (after a death, a grow or a
+    ``session_failed``).
+
+    ``spans`` are the members, ``new_world_size`` of them, as runs of consecutive global ranks
+    (``(first, count)``, ascending, a gap between two runs: one spelling per member set); a
+    member's rank in the new group is its position among them (:meth:`position`). Every
+    member gets the same frame, and a frame grows with the gaps in the member list, not with
+    the world size: the reference's message, a ``new_rank`` and the whole list per member,
+    made a re-form at 4,096 ranks send 4,096 bodies of 12 KB (protocol 10).
     """
 
     kind: Literal["new_session"] = "new_session"
     session: Count
     store_prefix: Annotated[str, StringConstraints(min_length=1, max_length=128)]
-    new_rank: RankId
     new_world_size: WorldSize
-    ranks: list[RankId] = Field(max_length=MAX_WORLD_SIZE)
+    spans: list[tuple[RankId, WorldSize]] = Field(max_length=MAX_WORLD_SIZE)
+
+    @model_validator(mode="after")
+    def _members(self) -> NewSession:
+        total, end = 0, -1
+        for first, count in self.spans:
+            if first <= end:
+                raise ValueError(
+                    "spans must be ascending with a gap between two runs "
+                    f"(({first}, {count}) starts at or before rank {end}, where the run before "
+                    "ends or would go on)"
+                )
+            end = first + count
+            if end > MAX_WORLD_SIZE:
+                raise ValueError(f"span ({first}, {count}) ends past rank {MAX_WORLD_SIZE - 1}")
+            total += count
+        if total != self.new_world_size:
+            raise ValueError(
+                f"new_world_size is {self.new_world_size} but spans hold {total} members"
+            )
+        return self
+
+    def members(self) -> list[int]:
+        """The members' global ranks, ascending."""
+        return [r for first, count in self.spans for r in range(first, first + count)]
+
+    def position(self, rank: int) -> int | None:
+        """``rank``'s rank in the new group (its position among the members), None if not a
+        member."""
+        before = 0
+        for first, count in self.spans:
+            if rank < first:
+                return None
+            if rank < first + count:
+                return before + rank - first
+            before += count
+        return None
 
 
 class Checkpoint(_Frame):

@@ -22,7 +22,8 @@ from flodl.wire.codec import (
     AnyFrame,
     body_length,
     decode_body,
-    encode_frame,
+    encode_body,
+    seal_body,
     verify_tag,
 )
 from flodl.wire.control_hello import CHALLENGE_BYTES, connection_key, new_nonce, parse_challenge
@@ -96,9 +97,21 @@ class FrameWriter:
         self.seq = 0
         """Number of frames written so far (the next frame's sequence number)."""
 
-    def write_nowait(self, frame: AnyFrame) -> None:
-        """Queue ``frame`` on the transport without waiting for the buffer to drain."""
-        data = encode_frame(frame, self._secret, seq=self.seq, max_bytes=self._max_bytes)
+    def write_nowait(self, frame: AnyFrame, body: bytes | None = None) -> None:
+        """Queue ``frame`` on the transport without waiting for the buffer to drain; ``body``
+        is its :func:`~flodl.wire.codec.encode_body` where the caller has it already (a frame
+        sent to many peers is encoded once, :class:`~flodl.wire.codec.SharedBodies`).
+
+        Raises:
+            FrameError: the body is over this writer's ceiling (nothing is written).
+        """
+        data = seal_body(
+            encode_body(frame) if body is None else body,
+            self._secret,
+            kind=frame.kind,
+            seq=self.seq,
+            max_bytes=self._max_bytes,
+        )
         self.seq += 1
         self._writer.write(data)
 

@@ -439,7 +439,7 @@ def test_peer_death_raises_collective_failed_then_reform_and_redo(store: StoreHo
         # ring waits on a neighbour, not on the dead rank) fails at once, not at its timeout
         assert cohort.call([0, 1], "backend_connections", store.port) == [0, 0]
 
-        cohort.form("death/s1", [0, 1])  # NewSession{new_rank: 0 / 1, new_world_size: 2}
+        cohort.form("death/s1", [0, 1])  # NewSession{ranks: [0, 1]}: positions 0 and 1
         mean = (WEIGHT[0] * THETA[0] + WEIGHT[1] * THETA[1]) / (WEIGHT[0] + WEIGHT[1])
         for answer in cohort.call([0, 1], "redo"):
             assert answer["total"] == WEIGHT[0] + WEIGHT[1]

@@ -64,9 +64,8 @@ def _frames(n: int) -> list[AnyFrame]:
                 NewSession(
                     session=i,
                     store_prefix=f"s{i}/",
-                    new_rank=0,
                     new_world_size=4096,
-                    ranks=list(range(i % 7, i % 7 + 4096)),
+                    spans=[(i % 7 + 2 * k, 1) for k in range(4096)],
                 )
             )
     return out

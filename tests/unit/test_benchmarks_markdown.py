@@ -515,3 +515,51 @@ def test_suite_markdown_escapes_cells_and_refuses_bad_files(
     assert "has no 'machine'" in capsys.readouterr().err
     assert m.main(["--markdown", str(tmp_path / "absent.json")]) == 2
     assert "absent.json" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_reform
+# ---------------------------------------------------------------------------------------------
+
+
+def test_reform_markdown_shows_each_size_and_the_median_run(
+    bench: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    r = bench("bench_reform")
+
+    def run(world: int, encode_ms: float, machine_ms: float) -> dict[str, Any]:
+        return {
+            "world": world,
+            "event": "ChildExited",
+            "members": world - 1,
+            "new_session_frames": 1,
+            "sends": 2 * (world - 1),
+            "bytes": 180 * (world - 1),
+            "new_session_bytes": 92,
+            "machine_ms": machine_ms,
+            "encode_ms": encode_ms,
+            "encode_each_ms": 1.7 * encode_ms,
+        }
+
+    rows = [
+        r.median_run([run(64, 0.31, 0.2), run(64, 0.29, 0.3), run(64, 0.35, 0.2)]),
+        r.median_run([run(4096, 16.0, 11.0), run(4096, 15.5, 12.0), run(4096, 19.0, 10.5)]),
+    ]
+    assert rows[1]["encode_ms"] == 16.0 and rows[1]["encode_ms_runs"] == [15.5, 16.0, 19.0]
+    data = header(bench, "bench_reform") | {
+        "mode": "nccl_cadence",
+        "kill_at_s": 0.25,
+        "repeats": 3,
+        "rows": rows,
+    }
+    text = via_json(bench, tmp_path, capsys, "bench_reform", data)
+    assert text.startswith("## Re-forming a collective session (`python benchmarks/bench_reform.py")
+    assert "(nccl_cadence, equal speeds), rank W/2 killed at 0.25 s of virtual time" in text
+    assert (
+        "| 4,096 | 11.0 | 8,190 (4,095 new_session, 1 body) | 0.1 | 0.7 | 16.0 | 27.2 | 1.7× "
+        "| 3.9 | 15.5 · 16.0 · 19.0 |" in text
+    )
+    assert "| 64 | 0.2 | 126 (63 new_session, 1 body) |" in text
+    for bad in (["--sizes", "2,64"], ["--sizes", "x"]):
+        with pytest.raises(SystemExit):
+            r.main(bad)

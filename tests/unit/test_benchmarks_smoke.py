@@ -213,6 +213,15 @@ def test_suite_plan_and_extractors(bench: Any) -> None:
         ]
     }
     assert m._coord(coord)[0]["met"] is False
+    reform = {
+        "rows": [
+            {"world": 64, "machine_ms": 0.2, "encode_ms": 0.3, "members": 63, "bytes": 9_000},
+            {"world": 4096, "machine_ms": 11.0, "encode_ms": 16.0, "members": 4095, "bytes": 2**20},
+        ]
+    }
+    [row] = m._reform(reform)
+    assert row["met"] is None and "4,096 ranks" in row["metric"]
+    assert row["value"] == "27.0 ms (3.9 µs per member encoded, 1.00 MiB sent)"
     row = {"world": 2, "mib": 64, "lane": "shm", "wire": "f32", "ratio_vs_gloo": 0.6}
     ablation = {**row, "lane": "tcp tag-first", "target_ratio": None, "target_met": None}
     reduce = {"rows": [{**row, "target_ratio": 1.0, "target_met": True}, ablation]}

@@ -72,6 +72,7 @@ from flodl.wire.frames import (
     SyncNow,
     Throttle,
     Update,
+    rank_spans,
 )
 
 SIG = "a" * 64
@@ -244,8 +245,8 @@ class Cluster:
                 self.waiting[r] = False
             case RequestParams(cycle=c) | SyncNow(cycle=c):
                 self.wanted[r] = c
-            case NewSession(session=s, ranks=members):
-                self.session[r], self.members[r] = s, tuple(members)
+            case NewSession(session=s):
+                self.session[r], self.members[r] = s, tuple(frame.members())
                 if (cycle := self.in_reduce[r]) is not None:
                     self._enter_collective(r, cycle)
             case SaveConsensusModel(target_rank=target, version=v):
@@ -317,13 +318,12 @@ def plan(offset: int, size: int, epoch: int = 0) -> EpochPlan:
     return EpochPlan(epoch=epoch, partition_offset=offset, partition_size=size)
 
 
-def session(number: int, *, new_rank: int, ranks: list[int]) -> NewSession:
+def session(number: int, *, ranks: list[int]) -> NewSession:
     return NewSession(
         session=number,
         store_prefix=f"run/s{number}",
-        new_rank=new_rank,
         new_world_size=len(ranks),
-        ranks=ranks,
+        spans=rank_spans(ranks),
     )
 
 
@@ -444,7 +444,7 @@ def test_a_rank_rejoining_a_collective_run_grows_the_group_back_once_no_cycle_is
     c.run(until=lambda: bool(sends(c.trace[mark:], NewSession)))
     grown = sends(c.trace[mark:], NewSession)
     assert sorted(r for r, _ in grown) == [0, 1, 2]
-    assert all(f.ranks == [0, 1, 2] for _, f in grown)
+    assert all(f.members() == [0, 1, 2] for _, f in grown)
     assert not sends(c.trace[mark:], DeclareDead)  # a grow, not a death
     c.run()
     assert c.coord.done and c.coord.phase_log[-1][1] == "run complete"
@@ -478,13 +478,13 @@ def test_a_death_while_a_rejoined_rank_awaits_the_pending_cycle_re_forms_without
     assert sorted(r for r, _ in sends(out, DeclareDead)) == [0, 1, 2]
     reformed = sends(out, NewSession)
     assert sorted(r for r, _ in reformed) == [0, 2]
-    assert all(f.ranks == [0, 2] for _, f in reformed)
+    assert all(f.members() == [0, 2] for _, f in reformed)
     mark = len(c.trace)
     c.run(until=lambda: bool(sends(c.trace[mark:], NewSession)))
     assert not c.coord.cycle.pending  # the grow comes once the cycle is over
     grown = sends(c.trace[mark:], NewSession)
     assert sorted(r for r, _ in grown) == [0, 1, 2]
-    assert all(f.ranks == [0, 1, 2] for _, f in grown)
+    assert all(f.members() == [0, 1, 2] for _, f in grown)
     runs_to_completion(c)
     assert c.step[1] > 0
 
@@ -996,14 +996,15 @@ def test_collective_death_reforms_the_session_with_renumbered_ranks() -> None:
     assert sends(effects, DeclareDead) == [
         (r, DeclareDead(rank=0, reason="process exited with code -9")) for r in survivors
     ]
-    assert sends(effects, NewSession) == [
-        (r, session(1, new_rank=i, ranks=survivors)) for i, r in enumerate(survivors)
-    ]
+    assert sends(effects, NewSession) == [(r, session(1, ranks=survivors)) for r in survivors]
+    # One frame for every member (the shell encodes its body once); each member's rank in
+    # the new group is its position among the survivors.
+    [frame] = {id(f): f for _, f in sends(effects, NewSession)}.values()
+    assert [frame.position(r) for r in (0, 1, 2, 3)] == [None, 0, 1, 2]
     effects = c.kill(2)
-    assert sends(effects, NewSession) == [
-        (1, session(2, new_rank=0, ranks=[1, 3])),
-        (3, session(2, new_rank=1, ranks=[1, 3])),
-    ]
+    assert sends(effects, NewSession) == [(r, session(2, ranks=[1, 3])) for r in (1, 3)]
+    [frame] = {id(f): f for _, f in sends(effects, NewSession)}.values()
+    assert (frame.position(1), frame.position(3)) == (0, 1)
     assert sends(effects, ShutdownWithSave) == []
 
 
@@ -1015,9 +1016,7 @@ def test_a_session_failed_re_forms_the_same_members_once_per_session() -> None:
     c.kill(0)
     survivors = [1, 2, 3]
     out = c.feed(SessionFailed(rank=1, session=1))
-    assert sends(out, NewSession) == [
-        (r, session(2, new_rank=i, ranks=survivors)) for i, r in enumerate(survivors)
-    ]
+    assert sends(out, NewSession) == [(r, session(2, ranks=survivors)) for r in survivors]
     assert sends(out, DeclareDead) == []
     [alert] = [a for a in of(out, Alert) if a.cls == "session_retry"]
     assert "rank 1 could not form or use collective session 1" in alert.detail

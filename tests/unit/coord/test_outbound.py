@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from flodl.coord.outbound import built_new_session, built_plan, built_start_epoch, built_update
 from flodl.wire.codec import decode_frame, encode_frame
-from flodl.wire.frames import MAX_U63, EpochPlan, NewSession, StartEpoch, Update
+from flodl.wire.frames import MAX_U63, EpochPlan, NewSession, StartEpoch, Update, rank_spans
 
 SECRET = b"k" * 32
 counts = st.integers(min_value=0, max_value=MAX_U63)
@@ -66,19 +66,17 @@ def test_built_update_and_start_epoch_are_the_validated_frames(
 @given(counts, st.lists(st.integers(min_value=0, max_value=4095), min_size=1, max_size=64))
 def test_built_new_session_is_the_validated_frame(session: int, members: list[int]) -> None:
     ranks = sorted(set(members))
-    for new_rank in (0, len(ranks) - 1):
-        built = built_new_session(session, "run/s1", new_rank, ranks)
-        validated = NewSession(
-            session=session,
-            store_prefix="run/s1",
-            new_rank=new_rank,
-            new_world_size=len(ranks),
-            ranks=list(ranks),
-        )
-        same(built, validated)
-        wire = encode_frame(built, SECRET)
-        assert wire == encode_frame(validated, SECRET)
-        assert decode_frame(wire, SECRET) == built
+    built = built_new_session(session, "run/s1", ranks)
+    validated = NewSession(
+        session=session, store_prefix="run/s1", new_world_size=len(ranks), spans=rank_spans(ranks)
+    )
+    same(built, validated)
+    wire = encode_frame(built, SECRET)
+    assert wire == encode_frame(validated, SECRET)
+    assert decode_frame(wire, SECRET) == built
+    assert built.members() == ranks
+    assert [built.position(r) for r in ranks] == list(range(len(ranks)))
+    assert all(built.position(r) is None for r in set(range(4097)) - set(ranks))
 
 
 def test_built_frames_are_frozen() -> None:
@@ -98,6 +96,6 @@ def test_the_builders_name_every_field_of_their_model(model: type[BaseModel]) ->
         EpochPlan: built_plan(1, 2, 3),
         StartEpoch: built_start_epoch(built_plan(1, 2, 3)),
         Update: built_update(1, None, None),
-        NewSession: built_new_session(1, "run/s1", 0, [0, 3]),
+        NewSession: built_new_session(1, "run/s1", [0, 3]),
     }[model]
     assert list(built.__dict__) == list(model.model_fields)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import math
 import struct
 import tracemalloc
@@ -29,12 +30,15 @@ from flodl.wire.codec import (
     MIN_SECRET_BYTES,
     TAG_BYTES,
     AnyFrame,
+    SharedBodies,
     auth_tag,
     body_length,
     check_secret,
     decode_body,
     decode_frame,
+    encode_body,
     encode_frame,
+    seal_body,
 )
 from flodl.wire.frames import (
     FRAME_KINDS,
@@ -234,13 +238,44 @@ def test_length_over_a_custom_ceiling_is_rejected() -> None:
         decode_frame(wire, SECRET, max_bytes=body_len - 1)
 
 
+def test_shared_bodies_encode_a_frame_once_and_seal_it_per_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A frame sent to many peers (one new_session for every member) is encoded once; each
+    # connection seals it with its own key and seq, to the bytes encode_frame would send.
+    from flodl.wire import codec
+
+    calls: list[AnyFrame] = []
+
+    def counting(frame: AnyFrame) -> bytes:
+        calls.append(frame)
+        return encode_body(frame)
+
+    frame = NewSession(session=3, store_prefix="run/s3", new_world_size=4, spans=[(0, 2), (9, 2)])
+    twin = NewSession(session=3, store_prefix="run/s3", new_world_size=4, spans=[(0, 2), (9, 2)])
+    keys = [bytes([k]) * 32 for k in range(3)]
+    expected = [encode_frame(frame, key, seq=seq) for seq, key in enumerate(keys)]
+    monkeypatch.setattr(codec, "encode_body", counting)
+    bodies = SharedBodies()
+    wires = [
+        seal_body(bodies.body(frame), key, kind=frame.kind, seq=seq) for seq, key in enumerate(keys)
+    ]
+    assert calls == [frame]
+    assert wires == expected
+    decoded = [decode_frame(w, k, seq=q) for q, (w, k) in enumerate(zip(wires, keys, strict=True))]
+    assert decoded == [frame] * 3
+    assert bodies.body(twin) == bodies.body(frame)  # an equal frame: its own (equal) body
+    assert calls == [frame, twin]
+    with pytest.raises(FrameError, match=r"new_session frame body is \d+ B, over the 8 B ceiling"):
+        seal_body(bodies.body(frame), keys[0], kind=frame.kind, max_bytes=8)
+
+
 def test_encode_over_ceiling_raises() -> None:
     big = NewSession(
         session=1,
         store_prefix="s/",
-        new_rank=0,
-        new_world_size=MAX_WORLD_SIZE,
-        ranks=list(range(MAX_WORLD_SIZE)),
+        new_world_size=MAX_WORLD_SIZE // 2,
+        spans=[(r, 1) for r in range(0, MAX_WORLD_SIZE, 2)],  # every other rank: a run each
     )
     wire = encode_frame(big, SECRET)
     body_len = len(wire) - HEADER_BYTES - TAG_BYTES
@@ -526,8 +561,15 @@ def frame_like_maps(draw: st.DrawFn) -> tuple[dict[str, Any], bool]:
 
 
 def _config_refuses(obj: dict[str, Any]) -> bool:
-    """Whether a hello's job breaks a rule its JSON schema cannot state (``MaxFailure`` wants
-    exactly one limit; ``ElCheConfig``'s anchors and mode-only knobs): such a job is refused."""
+    """Whether the map breaks a rule its JSON schema cannot state: a hello's job
+    (``MaxFailure`` wants exactly one limit; ``ElCheConfig``'s anchors and mode-only knobs), or
+    a ``new_session`` whose ``spans`` are not ascending runs with gaps inside the world, or do
+    not hold ``new_world_size`` members. Such a map is refused."""
+    if obj.get("kind") == "new_session":
+        spans = obj["spans"]
+        gaps = all(a[0] + a[1] < b[0] for a, b in itertools.pairwise(spans))
+        inside = all(first + count <= MAX_WORLD_SIZE for first, count in spans)
+        return not (gaps and inside) or sum(c for _, c in spans) != obj["new_world_size"]
     job = obj.get("job") if obj.get("kind") == "hello" else None
     if job is None:
         return False
@@ -548,7 +590,7 @@ def test_fuzz_frame_like_maps(case: tuple[dict[str, Any], bool]) -> None:
         assert frame.kind == obj["kind"]
     if not mutated and not _config_refuses(obj):
         # the catalog accepts everything its own schema allows (with finite floats), but for
-        # the cross-field rules of the config models a hello's job carries
+        # the cross-field rules (the config models a hello's job carries, new_session's members)
         assert frame is not None, f"schema-valid map refused: {obj!r}"
         dumped = frame.model_dump(exclude_unset=True) | {"kind": frame.kind}
         assert _plain(dumped) == _plain(obj)

@@ -28,7 +28,7 @@ def test_the_challenge_is_magic_version_and_nonce() -> None:
     challenge = encode_challenge(nonce)
     assert len(challenge) == CHALLENGE_BYTES == 24
     assert challenge == b"FDLC" + struct.pack("!I", PROTOCOL_VERSION) + nonce
-    assert CONTROL_PROTOCOL_VERSION == PROTOCOL_VERSION == 9
+    assert CONTROL_PROTOCOL_VERSION == PROTOCOL_VERSION == 10
     assert parse_challenge(challenge) == nonce
     assert encode_challenge()[8:] != encode_challenge()[8:]  # a fresh nonce each time
 

@@ -274,7 +274,7 @@ FACTORIES: dict[str, Callable[[], AnyFrame]] = {
     "set_global_step": lambda: SetGlobalStep(global_step=10**12),
     "declare_dead": lambda: DeclareDead(rank=2, reason="heartbeat stale for 31.0 s"),
     "new_session": lambda: NewSession(
-        session=2, store_prefix="session-2/", new_rank=1, new_world_size=3, ranks=[0, 2, 5]
+        session=2, store_prefix="session-2/", new_world_size=5, spans=[(0, 1), (2, 1), (5, 3)]
     ),
     "checkpoint": lambda: Checkpoint(version=4, target_rank=1),
     "save_consensus_model": lambda: SaveConsensusModel(
@@ -451,9 +451,16 @@ BAD: list[tuple[str, str, dict[str, Any]]] = [
     ("hello-rank-huge", "hello", {"rank": 2**40}),
     ("declare_dead-rank-world", "declare_dead", {"rank": MAX_WORLD_SIZE}),
     ("checkpoint-target-negative", "checkpoint", {"target_rank": -3}),
-    ("new_session-new_rank-world", "new_session", {"new_rank": MAX_WORLD_SIZE}),
-    ("new_session-ranks-negative", "new_session", {"ranks": [0, -1]}),
-    ("new_session-ranks-world", "new_session", {"ranks": [0, MAX_WORLD_SIZE]}),
+    ("new_session-span-negative", "new_session", {"spans": [(-1, 2), (2, 1), (5, 2)]}),
+    ("new_session-span-world", "new_session", {"spans": [(0, 1), (2, 1), (MAX_WORLD_SIZE, 3)]}),
+    ("new_session-span-past-world", "new_session", {"spans": [(MAX_WORLD_SIZE - 2, 5)]}),
+    ("new_session-span-empty", "new_session", {"spans": [(0, 1), (2, 0), (5, 4)]}),
+    ("new_session-spans-unsorted", "new_session", {"spans": [(5, 3), (0, 1), (2, 1)]}),
+    ("new_session-spans-overlap", "new_session", {"spans": [(0, 3), (2, 1), (5, 1)]}),
+    ("new_session-spans-adjacent", "new_session", {"spans": [(0, 1), (1, 1), (5, 3)]}),
+    ("new_session-world-not-members", "new_session", {"new_world_size": 4}),
+    ("new_session-new_rank-gone", "new_session", {"new_rank": 1}),
+    ("new_session-ranks-gone", "new_session", {"ranks": [0, 2, 5, 6, 7]}),
     ("hello-world_size-zero", "hello", {"world_size": 0}),
     ("hello-world_size-over", "hello", {"world_size": MAX_WORLD_SIZE + 1}),
     ("accept-world_size-zero", "accept", {"world_size": 0}),
