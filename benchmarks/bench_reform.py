@@ -198,8 +198,8 @@ def markdown(data: dict[str, Any]) -> str:
             "the re-form, the frames built); `encode ms`, its sends turned into wire bytes as "
             "`flodl coord`'s server does (each frame's body encoded once, "
             "`flodl.wire.codec.SharedBodies`, then sealed per connection with its key and "
-            "counter); `one body per send ms`, every body encoded on its own, as before "
-            "protocol 10 gave every member the same `new_session`. `sends` counts the "
+            "counter); `one body per send ms`, every body encoded on its own (the server's "
+            "way before protocol 10, here with protocol 10's frames). `sends` counts the "
             "`declare_dead` to every live rank and the `new_session` to every member. Each "
             f"size ran {data['repeats']} time(s), interleaved; a row is the run with the median "
             "`encode ms`."
@@ -208,10 +208,13 @@ def markdown(data: dict[str, Any]) -> str:
         *markdown_table(HEADERS, [_cells(r) for r in rows]),
         "",
         (
-            "Every member's `new_session` names all members (a member's rank in the new "
-            "group is its position there, and a shrinking NCCL group needs the list), so the "
-            "bytes on the wire grow with the square of the world size; the encoding, one "
-            "body for all, grows with it linearly but for the MAC over each member's copy."
+            "Every member's `new_session` names all members (its rank in the new group is "
+            "its position among them, and a shrinking NCCL group needs the list), as runs of "
+            "consecutive ranks: after one death, two runs whatever the world size, so the "
+            "bytes and the encoding grow linearly with it. A member set with a gap after "
+            "every rank would make each frame as long as the list itself; the encoding stays "
+            "one body for all. What protocol 9 sent (a `new_rank` and the whole list per "
+            'member) is measured in docs/design.md §9, "A re-form at 4,096 ranks".'
         ),
     ]
     return "\n".join(lines)
