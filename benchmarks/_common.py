@@ -246,6 +246,24 @@ class CpuMeter:
         }
 
 
+class CoordinatorView:
+    """A coordinator as the simulator sees it, with some methods replaced (``handle``,
+    ``tick``: timed wrappers); every other attribute is the coordinator's. (Patching the
+    instance's methods instead does not work on the compiled core, whose classes have no
+    instance dictionary.)"""
+
+    def __init__(self, coord: Any, **methods: Callable[..., Any]) -> None:
+        object.__setattr__(self, "_coord", coord)
+        for name, method in methods.items():
+            object.__setattr__(self, name, method)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._coord, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._coord, name, value)
+
+
 def add_markdown_option(parser: Any, default_json: str | os.PathLike[str]) -> None:
     """``--markdown [JSON]``: print the script's docs/benchmarks.md section for a result file
     (default ``default_json``) and exit."""

@@ -53,6 +53,7 @@ from typing import Any
 
 from _common import (
     RESULTS_DIR,
+    CoordinatorView,
     add_markdown_option,
     build_compiled_core,
     ensure_repo_on_path,
@@ -136,7 +137,7 @@ def measure(world: int, cycles: int) -> dict[str, Any]:
         mark()
         return out
 
-    sim.coord = _Timed(coord, timed_handle, timed_tick)  # type: ignore[assignment]
+    sim.coord = CoordinatorView(coord, handle=timed_handle, tick=timed_tick)  # type: ignore[assignment]
     gc.collect()  # what earlier world sizes left is not this one's to collect
     gc.callbacks.append(on_gc)
     wall0 = time.perf_counter()
@@ -194,23 +195,6 @@ def measure(world: int, cycles: int) -> dict[str, Any]:
         "frozen_objects": frozen,
         "young_threshold": young,
     }
-
-
-class _Timed:
-    """The simulator's view of the coordinator with ``handle`` and ``tick`` timed; every other
-    attribute is the coordinator's. (Patching the instance's methods instead does not work on
-    the compiled core, whose classes have no instance dictionary.)"""
-
-    def __init__(self, coord: Any, handle: Any, tick: Any) -> None:
-        object.__setattr__(self, "_coord", coord)
-        object.__setattr__(self, "handle", handle)
-        object.__setattr__(self, "tick", tick)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._coord, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._coord, name, value)
 
 
 CYCLES = 24

@@ -33,6 +33,7 @@ from typing import Any
 
 from _common import (
     RESULTS_DIR,
+    CoordinatorView,
     RunStamp,
     add_markdown_option,
     ensure_repo_on_path,
@@ -64,21 +65,6 @@ class _Reformed(Exception):
     this benchmark's."""
 
 
-class _Timed:
-    """The simulator's view of the coordinator with ``handle`` timed; every other attribute is
-    the coordinator's (the compiled core's classes have no instance dictionary to patch)."""
-
-    def __init__(self, coord: Any, handle: Any) -> None:
-        object.__setattr__(self, "_coord", coord)
-        object.__setattr__(self, "handle", handle)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._coord, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._coord, name, value)
-
-
 def capture(world: int) -> tuple[float, list[Send], str]:
     """Run ``world`` simulated ranks until a death re-forms the session; the ``handle`` call's
     seconds, its sends and the input's type."""
@@ -107,7 +93,7 @@ def capture(world: int) -> tuple[float, list[Send], str]:
             raise _Reformed
         return out
 
-    sim.coord = _Timed(coord, timed)  # type: ignore[assignment]
+    sim.coord = CoordinatorView(coord, handle=timed)  # type: ignore[assignment]
     try:
         sim.run()
     except _Reformed:
