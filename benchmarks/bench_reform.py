@@ -46,6 +46,7 @@ from _common import (
 ensure_repo_on_path()
 
 from flodl.coord.effects import Send  # noqa: E402
+from flodl.coord.outbound import built_new_session  # noqa: E402
 from flodl.sim import SimCluster  # noqa: E402
 from flodl.sim.trace import Failure  # noqa: E402
 from flodl.wire.codec import SharedBodies, encode_frame, seal_body  # noqa: E402
@@ -133,12 +134,35 @@ def measure(world: int) -> dict[str, Any]:
     }
 
 
+def measure_gaps(world: int) -> dict[str, Any]:
+    """The worst member set for the runs: every other rank of ``world`` (a gap after every
+    member, as if every odd rank were dead), one ``new_session`` from the coordinator's
+    builder to each member, encoded as the server does (no machine: such a set takes
+    ``world / 2`` deaths)."""
+    members = list(range(0, world, 2))
+    frame = built_new_session(1, "bench/s1", members)
+    keys = {r: r.to_bytes(4, "big") * 8 for r in members}
+    for key in keys.values():
+        seal_body(b"warm", key, kind="warm")
+    t0 = time.perf_counter()
+    bodies = SharedBodies()
+    wire = [seal_body(bodies.body(frame), keys[r], kind=frame.kind, seq=SEQ) for r in members]
+    t1 = time.perf_counter()
+    return {
+        "world": world,
+        "members": len(members),
+        "runs": len(frame.spans),
+        "new_session_bytes": len(wire[0]),
+        "bytes": sum(len(w) for w in wire),
+        "encode_ms": 1e3 * (t1 - t0),
+    }
+
+
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run with the median ``encode_ms``, carrying every run's (ascending)."""
     ordered = sorted(runs, key=lambda r: r["encode_ms"])
     return ordered[(len(ordered) - 1) // 2] | {
         "encode_ms_runs": [r["encode_ms"] for r in ordered],
-        "machine_ms_runs": sorted(r["machine_ms"] for r in runs),
     }
 
 
@@ -152,6 +176,31 @@ def _cells(r: dict[str, Any]) -> list[str]:
         f"{r['encode_ms']:.1f}",
         f"{r['encode_each_ms']:.1f}",
         f"{r['encode_each_ms'] / r['encode_ms']:.1f}×",
+        f"{1e3 * r['encode_ms'] / r['members']:.1f}",
+        " · ".join(f"{v:.1f}" for v in r["encode_ms_runs"]),
+    ]
+
+
+GAP_HEADERS = [
+    "ranks",
+    "members",
+    "runs",
+    "new_session KiB",
+    "wire MiB",
+    "encode ms",
+    "encode µs per member",
+    "encode ms, each run",
+]
+
+
+def _gap_cells(r: dict[str, Any]) -> list[str]:
+    return [
+        f"{r['world']:,}",
+        f"{r['members']:,}",
+        f"{r['runs']:,}",
+        f"{r['new_session_bytes'] / 1024:.1f}",
+        f"{r['bytes'] / 2**20:.1f}",
+        f"{r['encode_ms']:.1f}",
         f"{1e3 * r['encode_ms'] / r['members']:.1f}",
         " · ".join(f"{v:.1f}" for v in r["encode_ms_runs"]),
     ]
@@ -197,12 +246,25 @@ def markdown(data: dict[str, Any]) -> str:
             "Every member's `new_session` names all members (its rank in the new group is "
             "its position among them, and a shrinking NCCL group needs the list), as runs of "
             "consecutive ranks: after one death, two runs whatever the world size, so the "
-            "bytes and the encoding grow linearly with it. A member set with a gap after "
-            "every rank would make each frame as long as the list itself; the encoding stays "
-            "one body for all. What protocol 9 sent (a `new_rank` and the whole list per "
-            'member) is measured in docs/design.md §9, "A re-form at 4,096 ranks".'
+            "bytes and the encoding grow linearly with it. What protocol 9 sent (a "
+            "`new_rank` and the whole list per member) is measured in docs/design.md §9, "
+            '"A re-form at 4,096 ranks".'
         ),
     ]
+    gaps = data.get("gaps")
+    if gaps:
+        lines += [
+            "",
+            (
+                "The worst member set for the runs, a gap after every member (every other "
+                "rank, as after a death of every odd rank): one `new_session` built by the "
+                "coordinator's builder (`coord/outbound.py`) for each member, encoded as "
+                "above. The frame is then as long as the list, so the bytes grow with the "
+                "square of the world size again; the body is still encoded once."
+            ),
+            "",
+            *markdown_table(GAP_HEADERS, [_gap_cells(r) for r in gaps]),
+        ]
     return "\n".join(lines)
 
 
@@ -230,16 +292,23 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--repeat must be >= 1")
     stamp = RunStamp("bench_reform", sys.argv[1:] if argv is None else argv)
     runs: dict[int, list[dict[str, Any]]] = {w: [] for w in args.sizes}
+    gap_runs: dict[int, list[dict[str, Any]]] = {w: [] for w in args.sizes}
     for _ in range(args.repeat):
         for w in args.sizes:
             runs[w].append(measure(w))
+            gap_runs[w].append(measure_gaps(w))
     rows = [median_run(runs[w]) for w in args.sizes]
+    gaps = [median_run(gap_runs[w]) for w in args.sizes]
     print_table("re-forming a collective session (one death)", HEADERS, [_cells(r) for r in rows])
+    print_table(
+        "the worst member set: every other rank", GAP_HEADERS, [_gap_cells(r) for r in gaps]
+    )
     data = stamp.header("bench_reform") | {
         "mode": MODE,
         "kill_at_s": KILL_AT_S,
         "repeats": args.repeat,
         "rows": rows,
+        "gaps": gaps,
     }
     write_json(args.json, data)
     return 0

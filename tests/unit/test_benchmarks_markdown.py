@@ -546,11 +546,14 @@ def test_reform_markdown_shows_each_size_and_the_median_run(
         r.median_run([run(4096, 16.0, 11.0), run(4096, 15.5, 12.0), run(4096, 19.0, 10.5)]),
     ]
     assert rows[1]["encode_ms"] == 16.0 and rows[1]["encode_ms_runs"] == [15.5, 16.0, 19.0]
+    gap = {"world": 4096, "members": 2048, "runs": 2048, "new_session_bytes": 10_137}
+    gaps = [r.median_run([gap | {"bytes": 2048 * 10_137, "encode_ms": ms} for ms in (22.4, 21.0)])]
     data = header(bench, "bench_reform") | {
         "mode": "nccl_cadence",
         "kill_at_s": 0.25,
         "repeats": 3,
         "rows": rows,
+        "gaps": gaps,
     }
     text = via_json(bench, tmp_path, capsys, "bench_reform", data)
     assert text.startswith("## Re-forming a collective session (`python benchmarks/bench_reform.py")
@@ -560,6 +563,8 @@ def test_reform_markdown_shows_each_size_and_the_median_run(
         "| 3.9 | 15.5 · 16.0 · 19.0 |" in text
     )
     assert "| 64 | 0.2 | 126 (63 new_session, 1 body) |" in text
+    assert "a gap after every member (every other rank" in text
+    assert "| 4,096 | 2,048 | 2,048 | 9.9 | 19.8 | 21.0 | 10.3 | 21.0 · 22.4 |" in text
     for bad in (["--sizes", "2,64"], ["--sizes", "x"]):
         with pytest.raises(SystemExit):
             r.main(bad)
