@@ -103,11 +103,16 @@ def capture(world: int) -> tuple[float, list[Send], str]:
     raise SystemExit(f"bench_reform: no re-form at {world} ranks (the kill did not land)")
 
 
+def _key(rank: int) -> bytes:
+    """A 32-byte connection key of its own for ``rank``."""
+    return rank.to_bytes(4, "big") * 8
+
+
 def seal_all(sends: Sequence[tuple[int, AnyFrame]]) -> tuple[list[bytes], float]:
     """Each ``(rank, frame)`` turned into wire bytes as the server does (a frame's body
     encoded once, sealed per connection with its key and counter); the bytes and the seconds
     it took. Every connection's key is in the MAC's cache first, as on a live connection."""
-    keys = {rank: rank.to_bytes(4, "big") * 8 for rank, _ in sends}
+    keys = {rank: _key(rank) for rank, _ in sends}
     for key in keys.values():
         seal_body(b"warm", key, kind="warm")
     t0 = time.perf_counter()
@@ -122,7 +127,7 @@ def measure(world: int) -> dict[str, Any]:
     pairs = [(s.rank, s.frame) for s in sends]
     wire, shared_s = seal_all(pairs)
     t0 = time.perf_counter()
-    each = [encode_frame(f, r.to_bytes(4, "big") * 8, seq=SEQ) for r, f in pairs]
+    each = [encode_frame(f, _key(r), seq=SEQ) for r, f in pairs]
     each_s = time.perf_counter() - t0
     if wire != each:
         raise SystemExit("bench_reform: the shared bodies sealed other bytes than encode_frame")

@@ -538,11 +538,14 @@ class CoordinatorServer:
 
     def _apply(self, effects: list[Effect]) -> None:
         # A frame sent to many ranks (a heartbeat, a new_session, set_global_step) is the
-        # same instance in every Send: its body is encoded once per batch of effects.
-        bodies = SharedBodies()
+        # same instance in every Send: its body is encoded once per batch of effects. (Made
+        # at the first Send: most inputs, a rank's batch frame, send nothing.)
+        bodies: SharedBodies | None = None
         for effect in effects:
             match effect:
                 case Send(rank=rank, frame=frame):
+                    if bodies is None:
+                        bodies = SharedBodies()
                     self._send(rank, frame, bodies)
                 case Reply(frame=frame):
                     self._reply(frame)
