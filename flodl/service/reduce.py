@@ -467,7 +467,7 @@ class ReduceServer:
                 shm, conn.shm = conn.shm, None
                 self._cond.notify_all()
             if shm is not None:
-                shm.close()  # (the round that read it in place is done or failed)
+                shm.close()  # (a round still folding its views keeps them mapped)
 
     def _consensus_tag(self, out: Outgoing) -> bytes:
         return frame_tag(self._consensus_key, out.head, out.payloads, sender=CONSENSUS_SENDER)

@@ -35,8 +35,7 @@ class Segment:
     """One mapped segment: :attr:`data` is the whole of it as a ``uint8`` tensor.
 
     Use :meth:`create` (this process owns it; peers open it) or :meth:`open_peer`; close with
-    :meth:`close` (tensors viewing :attr:`data` must be dropped first, or the mapping stays
-    until they are).
+    :meth:`close` (the mapping stays until no tensor views :attr:`data`).
     """
 
     def __init__(self, fd: int, size: int, probe: bytes, *, writable: bool) -> None:
@@ -97,14 +96,19 @@ class Segment:
         return seg
 
     def close(self) -> None:
-        """Unmap and close. Idempotent; a mapping still viewed by live tensors is left to
-        them."""
+        """Close the descriptor and drop this object's mapping. Idempotent.
+
+        The pages are unmapped when the last tensor viewing them is freed, not here: a tensor
+        made by ``torch.frombuffer`` keeps the ``mmap`` object alive but holds no buffer export,
+        so ``mmap.close()`` would unmap under it, and a thread still reading such a view (the
+        reduce server's fold of a rank that just died) would read unmapped memory and crash
+        the process. With no view left, dropping the last reference unmaps at once.
+        """
         m, self._map = self._map, None
         if m is None:
             return
         del self.data
-        with contextlib.suppress(BufferError):
-            m.close()
+        del m  # (the views, if any, hold the mapping; else this unmaps)
         with contextlib.suppress(OSError):
             os.close(self.fd)
 

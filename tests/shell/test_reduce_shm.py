@@ -9,17 +9,20 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from test_reduce import (
+    JOIN_S,
     RUN,
     SECRET,
     Worker,
     assert_closed_by_peer,
     clients,
+    close_all,
     model,
     one_round,
     raw_rank,
@@ -240,6 +243,70 @@ def test_a_slot_rewritten_under_its_reader_is_an_error_not_a_mix() -> None:
                 LocalLane(params, buffers).accept(Answer(True, cons.pid, cons.fd, 64, cons.probe))
     finally:
         lane.close()
+
+
+def mappings(name: str, perms: str) -> int:
+    """How many mappings of memfd ``name`` with permissions ``perms`` this process has."""
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps if f"/memfd:{name} " in line and line.split()[1] == perms)
+
+
+def test_a_closed_segment_stays_mapped_while_a_tensor_views_it() -> None:
+    seg = Segment.create(1 << 16, "test-viewed")
+    view = seg.data[4096:8192].view(torch.int32)
+    view.fill_(7)
+    seg.close()
+    seg.close()  # idempotent
+    assert mappings("test-viewed", "rw-s") == 1, "close unmapped pages a tensor still views"
+    assert int(view.sum()) == 7 * 1024
+    del view
+    assert mappings("test-viewed", "rw-s") == 0, "the last view freed, the mapping stays"
+    with Segment.create(4096, "test-unviewed"):
+        assert mappings("test-unviewed", "rw-s") == 1
+    assert mappings("test-unviewed", "rw-s") == 0
+
+
+def test_a_rank_dying_while_the_fold_reads_its_segment_is_folded_safely(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A round complete with a rank's upload keeps it when the rank dies; its connection thread
+    ends and closes the segment while the fold still reads it in place. The fold must still
+    see the upload (once, this unmapped it under the fold and crashed the launcher)."""
+    params = [model(r, ((FOLD_CHUNK_ELEMENTS + 5,), (9,))) for r in range(2)]
+    expected = weighted_mean([[p.clone() for p in ps] for ps in params], [2.0, 3.0])
+    folding, release, mapped = threading.Event(), threading.Event(), threading.Event()
+    with serving(2) as (server, done), clients(server, [0, 1], shared_memory=True) as cs:
+        fold = server._folder.fold
+
+        def held(*args: Any) -> None:
+            folding.set()
+            assert release.wait(JOIN_S), "the test never released the fold"
+            if not mapped.is_set():  # (folding unmapped memory would crash the test process)
+                raise RuntimeError("not folding: the segment was unmapped under the fold")
+            fold(*args)
+
+        monkeypatch.setattr(server._folder, "fold", held)
+        server.open_round(1, [0, 1])
+        workers = [
+            Worker(lambda r=r: cs[r].reduce(1, params[r], [2.0, 3.0][r], [], True)) for r in (0, 1)
+        ]
+        try:
+            assert folding.wait(JOIN_S), "the round never reached the fold"
+            dying = server._by_rank[1]
+            server.rank_dead(1)
+            assert dying.thread is not None
+            dying.thread.join(JOIN_S)
+            assert not dying.thread.is_alive() and dying.shm is None  # its segment is closed
+            assert mappings("flodl-upload", "r--s") == 2, "the fold's views lost their mapping"
+            mapped.set()
+        finally:
+            release.set()
+        assert workers[0].result() == (5.0, 2.0)
+        with pytest.raises(CoordinatorLost):
+            workers[1].result()
+        assert done.wait(1) == [(1, (0, 1), 5.0)]
+        assert cs[0].in_shared_memory
+    close_all(expected, params[0])
 
 
 def one_round_seen(
