@@ -6,6 +6,7 @@ memory are declined, bad frames refused, a slot rewritten under a reader is an e
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -266,16 +267,34 @@ def test_a_closed_segment_stays_mapped_while_a_tensor_views_it() -> None:
     assert mappings("test-unviewed", "rw-s") == 0
 
 
+DYING_RANK = textwrap.dedent(
+    """
+    import sys, torch
+    from flodl.rank.reduce_client import ReduceClient
+    port, chunk = int(sys.argv[1]), int(sys.argv[2])
+    gen = torch.Generator().manual_seed(1001)  # (test_reduce.model(1, …))
+    params = [torch.randn(shape, generator=gen) for shape in ((chunk + 5,), (9,))]
+    client = ReduceClient("127.0.0.1", port, SECRET, 1, 2, run_id=RUN, shared_memory=True,
+                          timeout_s=60)
+    client.connect(30.0)
+    client.reduce(1, params, 3.0, [], True)  # (the test kills this process during the fold)
+    """
+)
+
+
+@pytest.mark.parametrize("killed", [False, True], ids=["declared-dead", "process-killed"])
 def test_a_rank_dying_while_the_fold_reads_its_segment_is_folded_safely(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, killed: bool
 ) -> None:
-    """A round complete with a rank's upload keeps it when the rank dies; its connection thread
+    """A round complete with a rank's upload keeps it when the rank dies (declared dead, or
+    its process SIGKILLed and then declared dead, as the launcher does): its connection thread
     ends and closes the segment while the fold still reads it in place. The fold must still
-    see the upload (once, this unmapped it under the fold and crashed the launcher)."""
+    see the upload (until stop 47 this unmapped it under the fold and crashed the launcher)."""
     params = [model(r, ((FOLD_CHUNK_ELEMENTS + 5,), (9,))) for r in range(2)]
     expected = weighted_mean([[p.clone() for p in ps] for ps in params], [2.0, 3.0])
     folding, release, mapped = threading.Event(), threading.Event(), threading.Event()
-    with serving(2) as (server, done), clients(server, [0, 1], shared_memory=True) as cs:
+    threaded = [0] if killed else [0, 1]
+    with serving(2) as (server, done), clients(server, threaded, shared_memory=True) as cs:
         fold = server._folder.fold
 
         def held(*args: Any) -> None:
@@ -287,12 +306,23 @@ def test_a_rank_dying_while_the_fold_reads_its_segment_is_folded_safely(
 
         monkeypatch.setattr(server._folder, "fold", held)
         server.open_round(1, [0, 1])
-        workers = [
-            Worker(lambda r=r: cs[r].reduce(1, params[r], [2.0, 3.0][r], [], True)) for r in (0, 1)
-        ]
+        proc = None
+        if killed:
+            script = f"SECRET = {SECRET!r}\nRUN = {RUN!r}\n" + DYING_RANK
+            proc = subprocess.Popen(
+                [sys.executable, "-c", script, str(server.port), str(FOLD_CHUNK_ELEMENTS)],
+                env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            )
+        workers = {
+            r: Worker(lambda r=r: cs[r].reduce(1, params[r], [2.0, 3.0][r], [], True))
+            for r in threaded
+        }
         try:
             assert folding.wait(JOIN_S), "the round never reached the fold"
             dying = server._by_rank[1]
+            if proc is not None:
+                proc.kill()
+                assert proc.wait(JOIN_S) == -signal.SIGKILL
             server.rank_dead(1)
             assert dying.thread is not None
             dying.thread.join(JOIN_S)
@@ -301,9 +331,13 @@ def test_a_rank_dying_while_the_fold_reads_its_segment_is_folded_safely(
             mapped.set()
         finally:
             release.set()
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
         assert workers[0].result() == (5.0, 2.0)
-        with pytest.raises(CoordinatorLost):
-            workers[1].result()
+        if not killed:
+            with pytest.raises(CoordinatorLost):
+                workers[1].result()
         assert done.wait(1) == [(1, (0, 1), 5.0)]
         assert cs[0].in_shared_memory
     close_all(expected, params[0])
