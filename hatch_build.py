@@ -61,7 +61,13 @@ _MYPY_CONFIG = """\
 python_version = 3.11
 ignore_missing_imports = True
 follow_imports = silent
+
+[mypy-torch.*]
+follow_imports = skip
 """
+"""mypyc's configuration. torch is not followed: the compiled modules use none of its types
+(the coordinator is pure), and reading its 2,500 modules was most of the build (75 s of C
+generation here, 6 s without; the C generated is byte-identical either way)."""
 
 
 class CompiledCoreHook(BuildHookInterface):
