@@ -23,6 +23,7 @@ from flodl import checkpoint, coord
 from flodl.config import MODES, OuterConfig, validated
 from flodl.coord.effects import BundleRequested, WriteMeta
 from flodl.errors import CheckpointError, ConfigError
+from flodl.launch import crash_trace
 from flodl.launch.env import timeout_scale
 from flodl.service.bundles import BundleWriter, read_bundle
 from flodl.service.coordinator import CoordinatorService
@@ -172,12 +173,15 @@ def run_coord(args: argparse.Namespace) -> int:
             "not encrypted; tunnel it (ssh -L) across untrusted networks",
             file=sys.stderr,
         )
+    tracing = crash_trace.enable()  # a native crash prints the service's stacks (docs/design.md §8)
     try:
         import uvloop
 
         return int(uvloop.run(_serve(args, terms, secret)))
     except KeyboardInterrupt:
         return 130
+    finally:
+        crash_trace.disable(tracing)
 
 
 async def _serve(args: argparse.Namespace, terms: JobTerms, secret: bytes) -> int:

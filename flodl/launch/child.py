@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from flodl.handle import TrainerHandle, training_stopped
+from flodl.launch import crash_trace
 from flodl.launch.env import (
     ENV_DEVICE,
     ENV_FINAL_DIR,
@@ -91,6 +92,7 @@ def run_as_rank(job: TrainJob, heartbeat_timeout: float, device: str = "auto") -
     """
     spec = rank_spec(heartbeat_timeout, job.save_path, device)
     launched = is_launched()
+    tracing = crash_trace.enable()  # a native crash prints the rank's stacks (docs/design.md §8)
     try:
         state = run_rank(spec, job)
     except BaseException:
@@ -100,6 +102,9 @@ def run_as_rank(job: TrainJob, heartbeat_timeout: float, device: str = "auto") -
             traceback.print_exc()
             exit_launched_rank(None, spec.rank)
         raise
+    finally:
+        if not launched:  # (a launched child is flodl's process until it exits)
+            crash_trace.disable(tracing)
     if launched:
         exit_launched_rank(state, spec.rank)
     handle = TrainerHandle(spec.world_size, is_primary=spec.rank == 0)

@@ -49,6 +49,7 @@ from flodl.coord.effects import (
 )
 from flodl.errors import ConfigError, FlodlError
 from flodl.handle import TrainerHandle, training_stopped
+from flodl.launch import crash_trace
 from flodl.launch.cluster import CLUSTER_ENV_VAR, Cluster, RankSlot
 from flodl.launch.env import (
     ENV_COORD,
@@ -272,6 +273,9 @@ class _Launcher:
 
     # ------------------------------------------------------------------ start
     def start(self) -> TrainerHandle:
+        # this process hosts the coordinator and the reduce server: a native crash in them
+        # prints every thread's stack instead of vanishing (docs/design.md §8)
+        self._crash_trace = crash_trace.enable()
         try:
             port = self._start_service()
             if not self.all_local:
@@ -491,6 +495,7 @@ class _Launcher:
         if self.monitor is not None:
             self.monitor.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        crash_trace.disable(self._crash_trace)
 
     def _at_exit(self) -> None:
         """The interpreter exits before the run ended (a signal, an interrupt, an exception in
@@ -570,6 +575,7 @@ class _Launcher:
             if self.monitor is not None:
                 self.monitor.close()  # the service stopped: every record is in; archive, stop
             atexit.unregister(self._at_exit)
+            crash_trace.disable(self._crash_trace)
         self.handle._finish(state, error)
 
     def _load_finals(self, codes: list[int | None]) -> list[tuple[int, TrainedState]]:

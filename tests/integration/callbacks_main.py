@@ -10,6 +10,7 @@ state to ``--out``.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import errno
 import json
 import logging
@@ -82,6 +83,9 @@ def main() -> None:
         "finished, whatever its share of the epoch before)",
     )
     p.add_argument("--crash-kill", action="store_true", help="crash by SIGKILL, not an exception")
+    p.add_argument(
+        "--crash-segv", action="store_true", help="crash by a segfault (a native read of address 0)"
+    )
     p.add_argument("--respawn", type=int, help="TrainerConfig.respawn")
     p.add_argument(
         "--respawn-fails",
@@ -147,6 +151,8 @@ def main() -> None:
         if me == args.crash_rank and armed and counted == args.crash_step and first_incarnation:
             if args.crash_kill:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if args.crash_segv:
+                ctypes.string_at(0)  # what a crash in torch's native code does to the process
             raise RuntimeError(f"injected failure on rank {me} at step {steps['n']}")
         if me in slow:
             time.sleep(slow[me] / 1000.0)

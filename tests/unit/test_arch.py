@@ -68,6 +68,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "flodl.launch.builder",
             "flodl.launch.gpus",
             "flodl.launch.env",
+            "flodl.launch.crash_trace",
         ],
     ),
     (
