@@ -17,12 +17,11 @@ import random
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
-from processes import left_running
+from processes import left_running, signal_at_line
 
 from flodl import checkpoint
 from flodl.monitor.records import read_tree
@@ -58,23 +57,8 @@ def test_killing_the_coordinator_stops_every_rank_and_the_run_resumes(
         cwd=REPO,
         env=env,
     )
-    try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line or line.startswith('METRICS {"epoch":1,'):
-                break
-        time.sleep(rng.uniform(0.0, 0.8))  # a seeded moment inside epoch 2 or 3
-        assert proc.poll() is None, "the run ended before the coordinator could be killed"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        assert proc.stdout is not None
-        proc.stdout.close()
+    pause = rng.uniform(0.0, 0.8)  # a seeded moment inside epoch 2 or 3
+    signal_at_line(proc, 'METRICS {"epoch":1,', signal.SIGKILL, pause_s=pause, exit_within_s=10)
     left = left_running(tag, EXIT_WAIT_S)
     assert left == [], f"ranks still running {EXIT_WAIT_S:g} s after the kill"
     # the killed launcher could not remove its run directory; no rank wrote into it

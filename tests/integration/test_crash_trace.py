@@ -9,12 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
-from processes import left_running
+from processes import left_running, signal_at_line
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -78,22 +77,7 @@ def test_the_launcher_killed_by_sigsegv_prints_its_stacks_and_the_ranks_exit(
         *("--ranks", "2", "--mode", "cpu_cadence", "--epochs", "30", "--samples", "2048"),
         *("--slow", "0:10,1:10"),
     )
-    try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line or line.startswith("METRICS "):
-                break
-        assert proc.poll() is None, "the run ended before the launcher could be crashed"
-        proc.send_signal(signal.SIGSEGV)
-        assert proc.wait(timeout=30) == -signal.SIGSEGV
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        assert proc.stdout is not None
-        proc.stdout.close()
+    assert signal_at_line(proc, "METRICS ", signal.SIGSEGV) == -signal.SIGSEGV
     assert left_running(tag, EXIT_WAIT_S) == [], "ranks outlived their crashed launcher"
     err = (tmp_path / "stderr").read_text()
     assert FATAL in err, err[-3000:]
