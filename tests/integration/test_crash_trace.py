@@ -17,14 +17,15 @@ from processes import left_running, signal_at_line
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-REPO = Path(__file__).resolve().parents[1].parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "integration" / "callbacks_main.py"
 EXIT_WAIT_S = 90.0
 FATAL = "Fatal Python error: Segmentation fault"
 
 
 def start(tmp_path: Path, tag: str, *args: str) -> subprocess.Popen[str]:
-    """The run, its stderr (the ranks' too: they inherit it) to ``tmp_path / "stderr"``."""
+    """The run, its stderr (the ranks' too: they inherit it) to ``tmp_path / "stderr"``, its
+    stdout a pipe to read while it trains."""
     with (tmp_path / "stderr").open("w") as err:
         return subprocess.Popen(
             [sys.executable, str(SCRIPT), "--tag", tag, "--log-dir", str(tmp_path / "logs"), *args],
@@ -45,26 +46,26 @@ def stacks(text: str) -> list[str]:
 
 def test_a_rank_that_segfaults_prints_its_stacks_and_the_run_goes_on(tmp_path: Path) -> None:
     tag = f"flodl-crash-{uuid.uuid4().hex}"
-    proc = start(
-        tmp_path,
-        tag,
-        *("--ranks", "3", "--mode", "cpu_cadence", "--epochs", "2", "--samples", "1024"),
-        *("--crash-rank", "1", "--crash-step", "5", "--crash-segv"),
+    done = subprocess.run(
+        [
+            *(sys.executable, str(SCRIPT), "--tag", tag, "--log-dir", str(tmp_path / "logs")),
+            *("--ranks", "3", "--mode", "cpu_cadence", "--epochs", "2", "--samples", "1024"),
+            *("--crash-rank", "1", "--crash-step", "5", "--crash-segv"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+        check=False,
     )
-    try:
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert left_running(tag, EXIT_WAIT_S) == []
-    err = (tmp_path / "stderr").read_text()
+    err = done.stderr
     assert FATAL in err, err[-3000:]
     dump = err[err.index(FATAL) :]
     assert any("callbacks_main.py" in line for line in dump.splitlines()), dump[:3000]
     assert stacks(dump), dump[:3000]  # (the rank's own frames: its training step under flodl)
-    assert proc.returncode == 0, err[-3000:]  # the survivors finished the run
-    assert "DONE " in out
+    assert done.returncode == 0, err[-3000:]  # the survivors finished the run
+    assert "DONE " in done.stdout
 
 
 def test_the_launcher_killed_by_sigsegv_prints_its_stacks_and_the_ranks_exit(
