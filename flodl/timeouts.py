@@ -85,6 +85,19 @@ class Timeouts:
         return max(10.0 * self.heartbeat_s, self.stall_floor_s)
 
     @property
+    def step_hang_floor_s(self) -> float:
+        """The least time a rank's training step may run before the rank counts it hung and
+        leaves the run: ``2 · hb``, twice what the coordinator gives a silent rank
+        (docs/design.md §2b, "A hung training step")."""
+        return 2.0 * self.heartbeat_s
+
+    @property
+    def step_hang_ceiling_s(self) -> float:
+        """The most (and the limit before the rank finished a step): the stall ceiling less
+        ``hb``, so a hung rank leaves before the progress watchdog would end the run."""
+        return self.stall_ceiling_s - self.heartbeat_s
+
+    @property
     def collective_s(self) -> float:
         """One ``torch.distributed`` operation: ``2/3 · hb``, below liveness, so no rank hangs
         in a collective after its peers declared it dead."""

@@ -172,6 +172,9 @@ class Coordinator:
         commits: its writers must not exit before a failover can reach them."""
         self._stop_sent = False
         self._stop_deadline_at: float | None = None
+        self._exit_deadline_at: float | None = None
+        """When the ranks still alive after the stop frame are declared dead (the stall ceiling
+        after it was sent): one stuck outside a step would otherwise hold the run open."""
         self._stall_ceiling_s = config.stall_ceiling_s
         self._join_deadline_at: float | None = None
         self._heartbeat_at: float | None = None
@@ -250,7 +253,17 @@ class Coordinator:
             self.callbacks.abandon_bundles(
                 f"not committed within {self._stall_ceiling_s:g} s of the stop", out
             )
-            self._maybe_release_stop(out)
+            self._maybe_release_stop(now, out)
+        if self._exit_deadline_at is not None and now >= self._exit_deadline_at:
+            self._exit_deadline_at = None
+            for r in self.membership.alive():
+                self._declare_dead(
+                    r,
+                    f"did not exit within {self._stall_ceiling_s:g} s of the stop (its "
+                    "training thread answers no frame)",
+                    now,
+                    out,
+                )
         progress_at = self._progress_deadline()
         if progress_at is not None and now >= progress_at:
             detail = (
@@ -288,6 +301,9 @@ class Coordinator:
         stop_at = self._stop_deadline_at
         if stop_at is not None and (best is None or stop_at < best):
             best = stop_at
+        exit_at = self._exit_deadline_at
+        if exit_at is not None and (best is None or exit_at < best):
+            best = exit_at
         if self.save_reason is None:
             cycle = self.cycle
             if cycle.phase is CyclePhase.PENDING:
@@ -478,13 +494,14 @@ class Coordinator:
         self._stop = frame
         if self.callbacks.bundles:
             self._stop_deadline_at = now + self._stall_ceiling_s
-        self._maybe_release_stop(out)
+        self._maybe_release_stop(now, out)
 
-    def _maybe_release_stop(self, out: list[Effect]) -> None:
+    def _maybe_release_stop(self, now: float, out: list[Effect]) -> None:
         if self._stop is None or self.callbacks.bundles:
             return
         frame, self._stop, self._stop_deadline_at = self._stop, None, None
         self._stop_sent = True
+        self._exit_deadline_at = now + self._stall_ceiling_s
         out.extend(self.membership.broadcast(frame))
 
     def _maybe_done(self, out: list[Effect]) -> None:
@@ -576,7 +593,7 @@ class Coordinator:
         if self.phase is RunPhase.SHUTDOWN:
             self._forfeit(rank, out, redistribute=False)  # its work stays uncovered
             self.callbacks.failover_bundles(rank, out, ranks_stopped=self._stop_sent)
-            self._maybe_release_stop(out)
+            self._maybe_release_stop(now, out)
             self._maybe_done(out)
             return
         self.elche.mark_dead(rank)
@@ -658,7 +675,7 @@ class Coordinator:
 
     def _on_bundle_saved(self, frame: BundleSaved, now: float, out: list[Effect]) -> None:
         self.callbacks.on_bundle_saved(frame, out, ranks_stopped=self._stop_sent)
-        self._maybe_release_stop(out)
+        self._maybe_release_stop(now, out)
 
     def _on_epoch_fn_elapsed(self, frame: EpochFnElapsed, now: float, out: list[Effect]) -> None:
         self.callbacks.observe_epoch_fn(frame.rank, frame.elapsed_ms, out)

@@ -27,8 +27,12 @@ running no cleanup. A rank therefore never outlives its coordinator by more than
 ``liveness_timeout_s + hard_exit_grace_s``. The timer is a daemon :class:`threading.Timer` of the
 bridge, independent of ``on_lost`` and of the event loop, so a callback that blocks cannot defuse
 it. One exception: a connection that ends *after* the coordinator sent ``shutdown`` or
-``shutdown_with_save`` is still reported as lost, but arms no hard exit, since the main thread is
-then writing its final files on the coordinator's orders and must not be killed mid-write.
+``shutdown_with_save`` is still reported as lost, but arms the hard exit only with the longer
+``after_stop_grace_s`` (:meth:`RankBridge.set_hard_exit_grace`; none by default), since the
+main thread is then finishing its step and writing its final files on the coordinator's orders
+and must not be killed mid-write; the rank loop sets it to the stall ceiling, so a main thread
+stuck for good (a callback that never returns) still ends its process instead of outliving the
+run.
 
 This module is stdlib-only on the rank side: it never imports torch (a test checks it), and uses
 uvloop when it is importable.
@@ -243,6 +247,7 @@ class RankBridge:
         self._closed = False
         self._hard_exit_timer: threading.Timer | None = None
         self._terminal_seen = False
+        self._after_stop_grace_s: float | None = None
 
         # Bridge thread only.
         self._stop: asyncio.Event | None = None
@@ -373,14 +378,17 @@ class RankBridge:
             return None
         return self._unwrap(item)
 
-    def set_hard_exit_grace(self, grace_s: float) -> None:
+    def set_hard_exit_grace(self, grace_s: float, after_stop_s: float | None = None) -> None:
         """Change the hard-exit grace (the rank derives it from the coordinator's deadlines
-        once ``accept`` arrived); ignored when hard exits are off."""
-        if not grace_s >= 0.0:
-            raise ConfigError(f"hard_exit_grace_s must be >= 0, got {grace_s!r}")
+        once ``accept`` arrived), and set the one for a loss after the coordinator's stop frame
+        (``None``: no hard exit then); ignored when hard exits are off."""
+        for name, value in (("hard_exit_grace_s", grace_s), ("after_stop_s", after_stop_s)):
+            if value is not None and not value >= 0.0:
+                raise ConfigError(f"{name} must be >= 0, got {value!r}")
         with self._state_lock:
             if self._hard_exit_grace_s is not None:
                 self._hard_exit_grace_s = float(grace_s)
+                self._after_stop_grace_s = None if after_stop_s is None else float(after_stop_s)
 
     def set_step(self, step: int) -> None:
         """Record the main thread's cumulative optimizer-step count for the next heartbeat.
@@ -743,16 +751,17 @@ class RankBridge:
         grace = self._hard_exit_grace_s
         if self._terminal_seen:
             self._log.info("connection to the coordinator ended after shutdown: %s", reason)
+            grace = self._after_stop_grace_s
         else:
             self._log.warning("lost the coordinator: %s", reason)
-            if grace is not None:
-                with self._state_lock:
-                    if not self._closing:
-                        timer = threading.Timer(grace, self._hard_exit, args=(reason,))
-                        timer.name = f"flodl-bridge-r{self._rank}-hard-exit"
-                        timer.daemon = True
-                        timer.start()
-                        self._hard_exit_timer = timer
+        if grace is not None:
+            with self._state_lock:
+                if not self._closing:
+                    timer = threading.Timer(grace, self._hard_exit, args=(reason, grace))
+                    timer.name = f"flodl-bridge-r{self._rank}-hard-exit"
+                    timer.daemon = True
+                    timer.start()
+                    self._hard_exit_timer = timer
         self._lost_reason = reason
         self._lost.set()
         self._inbox.put(_Signal.LOST)
@@ -762,7 +771,7 @@ class RankBridge:
             except Exception:  # noqa: BLE001 - a user callback must not break the bridge
                 self._log.exception("on_lost callback failed")
 
-    def _hard_exit(self, reason: str) -> None:
+    def _hard_exit(self, reason: str, grace_s: float) -> None:
         """Timer thread: the main thread did not close() within the grace after the loss."""
         if self._closing:
             return
@@ -770,7 +779,7 @@ class RankBridge:
             "coordinator lost (%s) and the main thread did not close the bridge within %g s: "
             "ending the process with exit code %d",
             reason,
-            self._hard_exit_grace_s,
+            grace_s,
             HARD_EXIT_CODE,
         )
         if self._on_hard_exit is not None:

@@ -68,6 +68,8 @@ from flodl.rank.step import (
     restore_bundle,
     timed_callback,
 )
+from flodl.rank.step_clock import HungStep, StepClock
+from flodl.rank.watchdog import StepWatchdog
 from flodl.sampling import epoch_slice, index_space, permutation
 from flodl.timeouts import Timeouts
 from flodl.wire.frames import (
@@ -144,6 +146,9 @@ class RankLoop:
         self.outer: OuterStep | None = None
         self._timing = (0.0, 0.0)
         self.chaos: RankChaos | None = None
+        self.step_clock: StepClock | None = None
+        """The steps' clock for the hung-step watchdog (from the coordinator's ``accept``)."""
+        self._watchdog: StepWatchdog | None = None
 
     @property
     def step(self) -> int:
@@ -217,7 +222,12 @@ class RankLoop:
         )
         accept = self.bridge.start()
         self.timeouts = Timeouts(accept.heartbeat_timeout_s, accept.timeout_scale)
-        self.bridge.set_hard_exit_grace(self.timeouts.hard_exit_grace_s)
+        # after the stop, the main thread finishes its step and writes its final state; one
+        # stuck for good (a callback) still ends by the stall ceiling, never outliving the run
+        self.bridge.set_hard_exit_grace(
+            self.timeouts.hard_exit_grace_s, after_stop_s=self.timeouts.stall_ceiling_s
+        )
+        self._watch_steps()
         self.protocol.admitted(accept.session, accept.incarnation)
         if accept.incarnation > 0:
             # a rejoin: the model comes from the next averaging round; the inner optimizer
@@ -235,6 +245,22 @@ class RankLoop:
             self.chaos.abort_data = lambda: self.client.abort() if self.client else None
             self.chaos.flush_control = lambda: bridge.flush(self.timeouts.heartbeat_s)
         return accept
+
+    def _watch_steps(self) -> None:
+        """Start the hung-step watchdog on the coordinator's deadlines (docs/design.md §2b,
+        "A hung training step"): a step over its limit ends this process, so the run goes
+        on without it."""
+        t = self.timeouts
+        self.step_clock = StepClock(t.step_hang_floor_s, t.step_hang_ceiling_s)
+        self._watchdog = StepWatchdog(self.step_clock, t.step_hang_floor_s, self._hung_record)
+        self._watchdog.start()
+
+    def _hung_record(self, hung: HungStep, stack: str) -> None:
+        """The watchdog is about to end the process: leave the death record, with the stack."""
+        spec = self.spec
+        if spec.stem is not None:
+            why = f"{hung.describe()}; the training thread was at:\n{stack}"
+            write_death_record(spec.stem, spec.rank, spec.world_size, why)
 
     def _hard_exit_record(self, reason: str) -> None:
         """The bridge is about to end the process: leave the death record the main thread,
@@ -282,6 +308,8 @@ class RankLoop:
                 case Train(slice=head):
                     bs = self.job.batch_size
                     t0 = time.perf_counter()
+                    if self.step_clock is not None:
+                        self.step_clock.started(t0)
                     batch = fetch_batch(self.job, self._picks(head, bs), self.device)
                     t1 = time.perf_counter()
                     self._apply_lr()
@@ -601,6 +629,8 @@ class RankLoop:
         """Account the step of the batch :meth:`batches` yielded last and report it."""
         t0, t1 = self._timing
         t2 = time.perf_counter()
+        if self.step_clock is not None:
+            self.step_clock.ended(t2)
         batch = self.protocol.trained((t2 - t1) * 1000.0, (t1 - t0) * 1000.0, loss_v, scalars)
         assert self.bridge is not None
         self.bridge.set_step(self.step)
@@ -727,6 +757,8 @@ class RankLoop:
         return state
 
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
         for closer in (
             getattr(self.client, "close", None),
             getattr(self.collective, "destroy", None),

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,11 @@ def _fail_respawns() -> None:
     subprocess.Popen = FailingRespawn  # type: ignore[misc]
 
 
+def hang_forever() -> None:
+    """A training step stuck for good (a data loader or a driver call that never returns)."""
+    threading.Event().wait()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tag", required=True)
@@ -85,6 +91,11 @@ def main() -> None:
     p.add_argument("--crash-kill", action="store_true", help="crash by SIGKILL, not an exception")
     p.add_argument(
         "--crash-segv", action="store_true", help="crash by a segfault (a native read of address 0)"
+    )
+    p.add_argument(
+        "--crash-hang",
+        action="store_true",
+        help="hang the training step for good (the rank's bridge thread runs on)",
     )
     p.add_argument("--respawn", type=int, help="TrainerConfig.respawn")
     p.add_argument(
@@ -153,6 +164,8 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.crash_segv:
                 ctypes.string_at(0)  # what a crash in torch's native code does to the process
+            if args.crash_hang:
+                hang_forever()
             raise RuntimeError(f"injected failure on rank {me} at step {steps['n']}")
         if me in slow:
             time.sleep(slow[me] / 1000.0)

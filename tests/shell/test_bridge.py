@@ -786,6 +786,35 @@ def test_eof_after_shutdown_is_lost_but_arms_no_hard_exit(
         bridge.recv(timeout=WAIT_S)
 
 
+def test_eof_after_shutdown_arms_the_after_stop_grace_when_one_is_set(
+    coord: FakeCoordinator, make_bridge: BridgeFactory
+) -> None:
+    """A main thread stuck for good after the stop (a callback that never returns) would
+    otherwise outlive the run: the rank loop sets a longer grace for a loss after the stop."""
+    bridge = make_bridge(coord.port, hard_exit_grace_s=60.0)
+    bridge.start()
+    bridge.set_hard_exit_grace(60.0, after_stop_s=120.0)
+    coord.send(Shutdown())
+    coord.send_eof()
+    assert bridge.lost.wait(WAIT_S)
+    timer = bridge._hard_exit_timer
+    assert timer is not None and timer.is_alive() and timer.interval == 120.0
+    assert list(timer.args)[1] == 120.0  # (the grace its message names)
+    bridge.close(timeout=2.0)  # the main thread finished its files in time: no exit
+    timer.join(WAIT_S)
+    assert not timer.is_alive()
+
+
+def test_bad_hard_exit_graces_are_config_errors(
+    coord: FakeCoordinator, make_bridge: BridgeFactory
+) -> None:
+    bridge = make_bridge(coord.port, hard_exit_grace_s=60.0)
+    with pytest.raises(ConfigError, match="after_stop_s"):
+        bridge.set_hard_exit_grace(1.0, after_stop_s=-1.0)
+    with pytest.raises(ConfigError, match="hard_exit_grace_s"):
+        bridge.set_hard_exit_grace(float("nan"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Child processes: hard exit, and no torch
 # ---------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "flodl.wire.control_hello",
         ],
     ),
-    ("core", ["flodl.coord", "flodl.coord.*", "flodl.rank.protocol"]),
+    ("core", ["flodl.coord", "flodl.coord.*", "flodl.rank.protocol", "flodl.rank.step_clock"]),
     ("simulator", ["flodl.sim", "flodl.sim.*"]),
     (
         "io",

@@ -36,12 +36,17 @@ def test_the_hierarchy_holds_for_every_knob(heartbeat: float, scale: float) -> N
     assert t.stall_ceiling_s >= 10 * hb and t.stall_ceiling_s >= 300 * scale
     assert t.data_io_s >= 4 * t.heartbeat_s
     assert t.handshake_s == pytest.approx(10 * scale)
+    # a hung step: never judged sooner than twice a silent rank's timeout, and always before
+    # the progress watchdog would end the run
+    assert t.step_hang_floor_s == pytest.approx(2 * hb) and t.step_hang_floor_s > t.heartbeat_s
+    assert t.step_hang_floor_s < t.step_hang_ceiling_s < t.stall_ceiling_s
 
 
 def test_the_defaults_are_the_originals() -> None:
     t = Timeouts()
     assert (t.heartbeat_s, t.join_s, t.stall_ceiling_s) == (30.0, 300.0, 300.0)
     assert t.collective_s == 20.0 and t.hard_exit_grace_s == 10.0
+    assert (t.step_hang_floor_s, t.step_hang_ceiling_s) == (60.0, 270.0)
     assert DEFAULT_HEARTBEAT_TIMEOUT_S == 30.0
 
 

@@ -1569,6 +1569,41 @@ def test_a_wedged_cohort_ends_in_shutdown_with_save_at_the_stall_ceiling(mode: s
     assert of(c.tick(), Alert) == []
 
 
+@pytest.mark.parametrize("stop", ["end_of_run", "reduce_stall"])
+def test_a_rank_that_never_exits_after_the_stop_is_declared_dead_at_the_stall_ceiling(
+    stop: str,
+) -> None:
+    # A rank stuck outside a step (a callback that never returns) heartbeats and never answers
+    # the stop; the run used to wait for its Exiting for good (and its launcher with it).
+    c = joined("cpu_cadence")
+    if stop == "end_of_run":
+        c.run(until=lambda: c.coord.phase is RunPhase.SHUTDOWN)
+    else:
+        start = c.clock.now
+        c.clock.advance_to(start + 300.0)
+        heartbeat_all(c, (0, 1))
+        assert [a for a in of(c.tick(), Alert) if a.cls == "reduce_stall"]
+    assert c.coord.phase is RunPhase.SHUTDOWN
+    stopped_at = c.clock.now
+    assert c.feed(Exiting(rank=0)) == [RankLeft(0)]
+    while c.clock.now < stopped_at + 299.0:  # rank 1 heartbeats and answers nothing
+        c.clock.advance(1.0)
+        heartbeat_all(c, (1,))
+        effects = c.tick()
+        assert of(effects, RankDead) == [] and of(effects, RunOver) == []
+    deadline = c.coord.next_deadline()
+    assert deadline is not None and deadline <= stopped_at + 300.0
+    c.clock.advance_to(stopped_at + 300.0)
+    heartbeat_all(c, (1,))
+    effects = c.tick()
+    assert of(effects, RankDead) == [
+        RankDead(1, "did not exit within 300 s of the stop (its training thread answers no frame)")
+    ]
+    [over] = of(effects, RunOver)
+    assert over.ok == (stop == "end_of_run")
+    assert c.coord.done and c.coord.next_deadline() is None
+
+
 def test_training_progress_keeps_the_watchdog_quiet() -> None:
     c = joined("cpu_cadence")
     c.clock.advance(299.0)
