@@ -89,6 +89,11 @@ class Callbacks:
         self.bundles: dict[int, tuple[CheckpointRetry, dict[str, Any], str]] = {}
         """Requested bundles awaiting their model file: version → (writer failover, meta to
         write once the ``.fdl`` is on disk, why it was saved)."""
+        self._first_frame: dict[int, tuple[int, set[int]]] = {}
+        """Pending bundles: version → (the writer the request named, the ranks that have not
+        answered the request yet). A rank answers every frame it gets, in order, so its first
+        answer is to the request, in which only that writer was the target: a rank the save was
+        handed to meanwhile answers it as a part, not as a failed writer."""
         self._bundle_seq = 0
         self.final_eval: int | None = None
         """The final eval's ``schedule_id`` once it was sent."""
@@ -295,6 +300,7 @@ class Callbacks:
         meta = self._meta_record(reason)
         meta["bundle_tag"] = bundle_tag(meta["global_step"], version, self._rng.getrandbits(24))
         self.bundles[version] = (retry, meta, detail)
+        self._first_frame[version] = (writer, set(self.membership.alive()))
         out.append(BundleRequested(version, meta["bundle_tag"]))
         out.extend(self.membership.broadcast(self._bundle_frame(version, writer)))
 
@@ -313,7 +319,16 @@ class Callbacks:
         self.roles.observe_cost("checkpoint", res.rank, res.elapsed_ms)
         out.append(self._timed("checkpoint", res.rank, res.elapsed_ms))
         pending = self.bundles.get(res.version)
-        if pending is None or pending[0].target != res.rank:
+        writer, unanswered = self._first_frame.get(res.version, (None, set()))
+        to_request = res.rank in unanswered  # (its answer to the request, not to a hand-over)
+        unanswered.discard(res.rank)
+        if pending is None:
+            self._first_frame.pop(res.version, None)
+        if (
+            pending is None
+            or pending[0].target != res.rank
+            or (to_request and res.rank != writer)
+        ):
             if res.error is not None:  # a rank's optimizer state: the bundle still commits
                 out.append(
                     Alert(
@@ -326,6 +341,7 @@ class Callbacks:
             return
         if res.model:  # the model file is on disk: the meta commits the bundle
             del self.bundles[res.version]
+            self._first_frame.pop(res.version, None)
             out.append(WriteMeta(pending[1], pending[2], res.version))
             if res.error is not None:
                 out.append(
@@ -344,6 +360,7 @@ class Callbacks:
         """Give up every pending bundle (the previous one stays the resume point)."""
         for version in sorted(self.bundles):
             detail = self.bundles.pop(version)[2]
+            self._first_frame.pop(version, None)
             out.append(
                 Alert(
                     "checkpoint_failed",
@@ -354,6 +371,8 @@ class Callbacks:
             )
 
     def failover_bundles(self, dead: int, out: list[Effect], *, ranks_stopped: bool) -> None:
+        for _, unanswered in self._first_frame.values():
+            unanswered.discard(dead)  # (a later incarnation of it never got the request)
         for version in sorted(self.bundles):
             if self.bundles[version][0].target == dead:
                 self._retry_bundle(version, f"rank {dead} died", out, ranks_stopped=ranks_stopped)
@@ -366,6 +385,7 @@ class Callbacks:
         nxt = None if ranks_stopped else retry.next_target(self.membership.training())
         if nxt is None:
             del self.bundles[version]
+            self._first_frame.pop(version, None)
             out.append(
                 Alert(
                     "checkpoint_failed",

@@ -607,10 +607,13 @@ class Coordinator:
             # Past the failure budget the work stays uncovered (for the resume) instead of
             # being handed to survivors that are about to stop.
             self._forfeit(rank, out, redistribute=verdict is None)
+        # Its roles, and a save or a checkpoint_fn it was running, go to a survivor first:
+        # the stop below waits for every pending bundle, and one left on a dead writer held it
+        # until the stall ceiling (docs/design.md §6, "Stop bundles fail over too").
+        self.callbacks.on_death(rank, self.elche.smoothed_ms, out)
         if verdict is not None:
             self._shutdown_with_save(verdict[0], verdict[1], now, out)
             return
-        self.callbacks.on_death(rank, self.elche.smoothed_ms, out)
         if not self.traits.cpu_averaging:
             out.extend(self.admission.reform_after_death(rank, reason))
         self.callbacks.send_roles_if_dirty(out)

@@ -84,6 +84,8 @@ def test_a_writer_that_fails_hands_the_model_file_to_the_next_live_rank() -> Non
     assert of(c.coord.handle(BundleSaved(rank=0, version=0, model=True), 0.0), WriteMeta) == []
     moved = c.kill(1)
     assert [(r, f.target_rank) for r, f in sends(moved, SaveConsensusModel)] == [(2, 2)]
+    # rank 2 answers every frame in order: the request first (its part), then the hand-over
+    assert of(c.feed(BundleSaved(rank=2, version=0)), WriteMeta) == []
     [meta] = of(c.feed(BundleSaved(rank=2, version=0, model=True)), WriteMeta)
     assert meta.meta["epoch"] == 1
 
@@ -92,6 +94,7 @@ def test_every_writer_failing_alerts_and_leaves_the_previous_checkpoint() -> Non
     c = checkpointing(world_size=2, dataset_len=640)
     first_bundle(c)
     c.coord.handle(BundleSaved(rank=0, version=0, error="read-only"), 0.0)
+    c.coord.handle(BundleSaved(rank=1, version=0), 0.0)  # its answer to the request: its part
     last = c.coord.handle(BundleSaved(rank=1, version=0, error="read-only"), 0.0)
     assert sends(last, SaveConsensusModel) == [] and of(last, WriteMeta) == []
     [alert] = [a for a in of(last, Alert) if a.cls == "checkpoint_failed"]
@@ -163,6 +166,7 @@ def test_a_stop_bundle_fails_over_before_the_ranks_are_told_to_stop() -> None:
     [(nxt, again)] = sends(retry, SaveConsensusModel)
     assert nxt != writer and again.target_rank == nxt and again.tag == frame.tag
     assert sends(retry, ShutdownWithSave) == []
+    assert of(c.feed(BundleSaved(rank=nxt, version=frame.version)), WriteMeta) == []  # its part
     done = c.feed(BundleSaved(rank=nxt, version=frame.version, model=True))
     assert [m.meta["save_reason"] for m in of(done, WriteMeta)] == ["max_failure_exceeded"]
     assert sorted(r for r, _ in sends(done, ShutdownWithSave)) == [0, 2]
@@ -177,6 +181,7 @@ def test_an_end_of_run_bundle_fails_over_when_its_writer_dies() -> None:
     moved = c.kill(writer)
     [(nxt, again)] = [(r, f) for r, f in sends(moved, SaveConsensusModel)]
     assert again.target_rank == nxt != writer and again.tag == frame.tag
+    assert of(c.feed(BundleSaved(rank=nxt, version=frame.version)), WriteMeta) == []  # its part
     done = c.feed(BundleSaved(rank=nxt, version=frame.version, model=True))
     assert [m.reason for m in of(done, WriteMeta)] == ["end of run"]
     assert sorted(r for r, _ in sends(done, Shutdown)) == sorted({0, 1, 2} - {writer})
@@ -197,3 +202,46 @@ def test_a_stop_bundle_nobody_answers_is_abandoned_at_the_stall_ceiling() -> Non
     assert "not committed within 300 s of the stop" in alert.detail
     assert "previous checkpoint" in alert.detail
     assert sorted(r for r, _ in sends(late, Shutdown)) == [0, 1]
+
+
+def test_a_writer_whose_death_exceeds_max_failure_hands_its_save_over_before_the_stop() -> None:
+    # The death that ends the run (max_failure) came before the callbacks' failover: the save
+    # the dead rank was writing kept its target, the stop waited for it until the stall ceiling
+    # (found by the chaos suite: 60 s of a 4-rank run at scale 0.2), and it was then abandoned.
+    c = joined(
+        "cpu_cadence",
+        world_size=3,
+        dataset_len=960,
+        save_bundles=True,
+        checkpoint_every=1,
+        num_epochs=2,
+        max_failure=MaxFailure(absolute=1),
+    )
+    [(_, first)] = sends(first_bundle(c), SaveConsensusModel)[:1]
+    writer = first.target_rank
+    moved = c.kill(writer)
+    handed = [f for _, f in sends(moved, SaveConsensusModel) if f.version == first.version]
+    assert handed and {f.target_rank for f in handed} != {writer}
+    assert {f.tag for f in handed} == {first.tag}  # the same save, under the same tag
+    assert sends(moved, ShutdownWithSave) == []  # held until the bundles commit
+    c.run()  # the survivors answer; no time passes
+    metas = of(c.trace, WriteMeta)
+    assert [m.version for m in metas] == [first.version, first.version + 1]
+    assert metas[-1].meta["save_reason"] == "max_failure_exceeded"
+    stops = sends(c.trace, ShutdownWithSave)
+    assert sorted(r for r, _ in stops) == sorted({0, 1, 2} - {writer})
+    assert [a for a in of(c.trace, Alert) if a.cls == "checkpoint_failed"] == []
+
+
+def test_a_rank_handed_the_save_before_it_answered_the_request_is_no_failed_writer() -> None:
+    # Every rank answers every frame, in order. A rank handed the model file (its writer died)
+    # before it answered the request answers the request first, as a part (no model): that
+    # answer used to count as the new writer failing, and the save went on to the next rank
+    # and, with none left, was abandoned.
+    c = checkpointing(world_size=3, dataset_len=960)
+    [(_, first)] = sends(first_bundle(c), SaveConsensusModel)[:1]
+    moved = c.kill(first.target_rank)  # before any rank answered the request
+    assert [f.target_rank for _, f in sends(moved, SaveConsensusModel)] != []
+    c.run()
+    assert [a for a in of(c.trace, Alert) if a.cls == "checkpoint_failed"] == []
+    assert first.version in [m.version for m in of(c.trace, WriteMeta)]
