@@ -324,11 +324,7 @@ class Callbacks:
         unanswered.discard(res.rank)
         if pending is None:
             self._first_frame.pop(res.version, None)
-        if (
-            pending is None
-            or pending[0].target != res.rank
-            or (to_request and res.rank != writer)
-        ):
+        if pending is None or pending[0].target != res.rank or (to_request and res.rank != writer):
             if res.error is not None:  # a rank's optimizer state: the bundle still commits
                 out.append(
                     Alert(
