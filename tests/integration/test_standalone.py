@@ -472,6 +472,12 @@ def test_a_stopped_standalone_run_says_so_and_how_to_resume(tmp_path: Path) -> N
     assert f".resume_from({stem!r})" in last
 
 
+LATE_JOIN_EPOCHS = 10
+"""About 1 s an epoch for two ranks at 30 ms a step: the late rank starts when the first closes
+and needs the rest to start, join, take the consensus and train some. With 6 (about 5 s left)
+a CI run under load once saw it join and get no work before the end."""
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", MODES)
 def test_a_rank_started_after_the_minimum_world_size_joins_the_running_run(
@@ -479,12 +485,13 @@ def test_a_rank_started_after_the_minimum_world_size_joins_the_running_run(
 ) -> None:
     coord, address = start_coord(
         tmp_path,
-        *("--mode", mode, "--epochs", "6"),
+        *("--mode", mode, "--epochs", str(LATE_JOIN_EPOCHS)),
         world=("--min-world-size", "2", "--max-world-size", "3"),
         verbose=True,
     )
     procs: list[subprocess.Popen[bytes]] = []
-    rank_args = [str(JOIN), "--out", str(tmp_path), "--mode", mode, "--epochs", "6"]
+    rank_args = [str(JOIN), "--out", str(tmp_path), "--mode", mode]
+    rank_args += ["--epochs", str(LATE_JOIN_EPOCHS)]
     rank_args += ["--slow-ms", "30"]
     try:
         for rank in range(2):
