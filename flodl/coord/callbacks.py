@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from flodl.config import CoordConfig
@@ -57,6 +58,34 @@ __all__ = ["Callbacks"]
 
 MetaRecord = Callable[[SaveReason | str], dict[str, Any]]
 """The checkpoint meta as of now (computed when a bundle is requested)."""
+
+
+@dataclass(slots=True)
+class PendingBundle:
+    """A requested bundle awaiting its model file.
+
+    Attributes:
+        retry: the writer's failover (its current target).
+        meta: the meta to write once the ``.fdl`` is on disk.
+        detail: why it was saved.
+        writer: the writer the request named.
+        unanswered: the live ranks that have not answered the request yet.
+    """
+
+    retry: CheckpointRetry
+    meta: dict[str, Any]
+    detail: str
+    writer: int
+    unanswered: set[int]
+
+    def answers_as_writer(self, rank: int) -> bool:
+        """Whether ``rank``'s answer (the next one) is the current writer's. A rank answers
+        every frame it gets, in order, so its first answer is to the request, in which only
+        :attr:`writer` was the target: a rank the save was handed to meanwhile answers it as a
+        part, not as a failed writer."""
+        to_request = rank in self.unanswered
+        self.unanswered.discard(rank)
+        return self.retry.target == rank and not (to_request and rank != self.writer)
 
 
 class Callbacks:
@@ -86,14 +115,8 @@ class Callbacks:
         self.roles = Roles(config.epoch_callback_policy)
         self.intents: set[str] = set()
         self.checkpoints: dict[int, CheckpointRetry] = {}
-        self.bundles: dict[int, tuple[CheckpointRetry, dict[str, Any], str]] = {}
-        """Requested bundles awaiting their model file: version → (writer failover, meta to
-        write once the ``.fdl`` is on disk, why it was saved)."""
-        self._first_frame: dict[int, tuple[int, set[int]]] = {}
-        """Pending bundles: version → (the writer the request named, the ranks that have not
-        answered the request yet). A rank answers every frame it gets, in order, so its first
-        answer is to the request, in which only that writer was the target: a rank the save was
-        handed to meanwhile answers it as a part, not as a failed writer."""
+        self.bundles: dict[int, PendingBundle] = {}
+        """Requested bundles awaiting their model file, by version."""
         self._bundle_seq = 0
         self.final_eval: int | None = None
         """The final eval's ``schedule_id`` once it was sent."""
@@ -299,13 +322,14 @@ class Callbacks:
         retry.first(writer)
         meta = self._meta_record(reason)
         meta["bundle_tag"] = bundle_tag(meta["global_step"], version, self._rng.getrandbits(24))
-        self.bundles[version] = (retry, meta, detail)
-        self._first_frame[version] = (writer, set(self.membership.alive()))
+        self.bundles[version] = PendingBundle(
+            retry, meta, detail, writer, set(self.membership.alive())
+        )
         out.append(BundleRequested(version, meta["bundle_tag"]))
         out.extend(self.membership.broadcast(self._bundle_frame(version, writer)))
 
     def _bundle_frame(self, version: int, writer: int) -> CoordFrame:
-        meta = self.bundles[version][1]
+        meta = self.bundles[version].meta
         return SaveConsensusModel(
             target_rank=writer,
             version=version,
@@ -319,12 +343,7 @@ class Callbacks:
         self.roles.observe_cost("checkpoint", res.rank, res.elapsed_ms)
         out.append(self._timed("checkpoint", res.rank, res.elapsed_ms))
         pending = self.bundles.get(res.version)
-        writer, unanswered = self._first_frame.get(res.version, (None, set()))
-        to_request = res.rank in unanswered  # (its answer to the request, not to a hand-over)
-        unanswered.discard(res.rank)
-        if pending is None:
-            self._first_frame.pop(res.version, None)
-        if pending is None or pending[0].target != res.rank or (to_request and res.rank != writer):
+        if pending is None or not pending.answers_as_writer(res.rank):
             if res.error is not None:  # a rank's optimizer state: the bundle still commits
                 out.append(
                     Alert(
@@ -337,8 +356,7 @@ class Callbacks:
             return
         if res.model:  # the model file is on disk: the meta commits the bundle
             del self.bundles[res.version]
-            self._first_frame.pop(res.version, None)
-            out.append(WriteMeta(pending[1], pending[2], res.version))
+            out.append(WriteMeta(pending.meta, pending.detail, res.version))
             if res.error is not None:
                 out.append(
                     Alert(
@@ -355,8 +373,7 @@ class Callbacks:
     def abandon_bundles(self, why: str, out: list[Effect]) -> None:
         """Give up every pending bundle (the previous one stays the resume point)."""
         for version in sorted(self.bundles):
-            detail = self.bundles.pop(version)[2]
-            self._first_frame.pop(version, None)
+            detail = self.bundles.pop(version).detail
             out.append(
                 Alert(
                     "checkpoint_failed",
@@ -367,21 +384,21 @@ class Callbacks:
             )
 
     def failover_bundles(self, dead: int, out: list[Effect], *, ranks_stopped: bool) -> None:
-        for _, unanswered in self._first_frame.values():
-            unanswered.discard(dead)  # (a later incarnation of it never got the request)
         for version in sorted(self.bundles):
-            if self.bundles[version][0].target == dead:
+            pending = self.bundles[version]
+            pending.unanswered.discard(dead)  # (a later incarnation of it never got the request)
+            if pending.retry.target == dead:
                 self._retry_bundle(version, f"rank {dead} died", out, ranks_stopped=ranks_stopped)
 
     def _retry_bundle(
         self, version: int, why: str, out: list[Effect], *, ranks_stopped: bool
     ) -> None:
-        retry, _, detail = self.bundles[version]
+        pending = self.bundles[version]
+        retry, detail = pending.retry, pending.detail
         # once the ranks were told to stop, none is left to take the save over
         nxt = None if ranks_stopped else retry.next_target(self.membership.training())
         if nxt is None:
             del self.bundles[version]
-            self._first_frame.pop(version, None)
             out.append(
                 Alert(
                     "checkpoint_failed",
