@@ -94,8 +94,11 @@ def test_a_three_rank_bundle_resumes_at_other_world_sizes_with_exact_coverage(
         assert end.epoch == EPOCHS and end.global_step > meta.global_step
         # More ranks at the same per-rank batch size take fewer optimizer steps an epoch, so
         # the bound is the lower of the two uninterrupted runs (at 3 and at `world` ranks):
-        # the stop and the resize themselves must cost nothing beyond that.
+        # the stop and the resize themselves must cost nothing beyond that. The run at `world`
+        # ranks is made only when the one at 3 does not already settle it: within parity of
+        # base3 is within parity of min(base3, anything), so the verdict is the same.
         if base3 is not None:
             acc = evals(b.stdout)[-1][1]
-            base = min(base3, uninterrupted(tmp_path, common, world))
-            assert within_parity(acc, base), (world, acc, base)
+            if not within_parity(acc, base3):
+                base = min(base3, uninterrupted(tmp_path, common, world))
+                assert within_parity(acc, base), (world, acc, base)
