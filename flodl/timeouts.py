@@ -4,7 +4,9 @@ Pure module. ``hb = heartbeat_timeout × FLODL_NET_TIMEOUT_SCALE`` is the only i
 scale itself for the few floors that are not multiples of ``hb``); every other deadline is a
 property of :class:`Timeouts`, so the order of the hierarchy holds by construction: a rank
 gives up on a collective (``2/3·hb``) before its coordinator would declare it dead (``hb``),
-and leaves its process ``hb/3`` after losing its coordinator. The coordinator builds one
+and leaves its process ``hb/3`` after losing its coordinator; heartbeats go out at least three
+times per ``hb`` in both directions, so one late heartbeat never reads as a death. The
+coordinator builds one
 ``Timeouts`` (the Trainer's launcher and ``flodl coord`` alike), sends ``hb`` and the scale in
 ``accept``, and ranks derive theirs from what they receive, never from their own settings.
 """
@@ -18,16 +20,29 @@ from flodl.errors import ConfigError
 
 __all__ = [
     "DEFAULT_HEARTBEAT_TIMEOUT_S",
+    "HEARTBEATS_PER_TIMEOUT",
     "HEARTBEAT_INTERVAL_S",
     "MIN_TIMEOUT_SCALE",
     "Timeouts",
+    "heartbeat_interval_s",
 ]
 
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 """The default liveness timeout, before scaling (the original's)."""
 HEARTBEAT_INTERVAL_S = 1.0
-"""Heartbeat cadence in both directions (never scaled, as the original)."""
+"""Heartbeat cadence in both directions (unscaled, as the original), for every ``hb`` of 3 s or
+more (every default); :func:`heartbeat_interval_s` shortens it below that."""
 MIN_TIMEOUT_SCALE = 0.01
+HEARTBEATS_PER_TIMEOUT = 3
+"""The fewest heartbeats a liveness window holds (docs/design.md §2b, "Heartbeat cadence")."""
+
+
+def heartbeat_interval_s(heartbeat_timeout_s: float) -> float:
+    """The heartbeat cadence for a liveness timeout ``hb`` (scaled): 1 s, or ``hb / 3`` when
+    that is shorter. The original keeps 1 s at every timeout, so a rank that only heartbeats
+    (waiting in an averaging round for a peer that hung, say) was declared dead whenever its
+    heartbeat came a little late with ``hb`` near 1 s, and always below it."""
+    return min(HEARTBEAT_INTERVAL_S, heartbeat_timeout_s / HEARTBEATS_PER_TIMEOUT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +83,12 @@ class Timeouts:
                 f"{scale!r}"
             )
         return cls(heartbeat_timeout * scale, scale)
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """Heartbeats in both directions: every second, or ``hb / 3`` when that is shorter
+        (:func:`heartbeat_interval_s`)."""
+        return heartbeat_interval_s(self.heartbeat_s)
 
     @property
     def join_s(self) -> float:

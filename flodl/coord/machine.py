@@ -56,7 +56,6 @@ from flodl.coord.phases import ACCEPTS, RunPhase
 from flodl.coord.reporting import Reporting
 from flodl.coord.resume import META_SCHEMA_VERSION, ResumeState
 from flodl.errors import LocalProtocolError, RemoteProtocolError
-from flodl.timeouts import HEARTBEAT_INTERVAL_S
 from flodl.wire.frames import (
     Batch,
     BundleSaved,
@@ -176,6 +175,7 @@ class Coordinator:
         """When the ranks still alive after the stop frame are declared dead (the stall ceiling
         after it was sent): one stuck outside a step would otherwise hold the run open."""
         self._stall_ceiling_s = config.stall_ceiling_s
+        self._heartbeat_every_s = config.timeouts.heartbeat_interval_s
         self._join_deadline_at: float | None = None
         self._heartbeat_at: float | None = None
         self._run_over = False
@@ -235,7 +235,7 @@ class Coordinator:
             return out
         if self._heartbeat_at is not None and now >= self._heartbeat_at:
             out.extend(self.membership.broadcast(CoordHeartbeat()))
-            self._heartbeat_at = now + HEARTBEAT_INTERVAL_S
+            self._heartbeat_at = now + self._heartbeat_every_s
         if (
             self.phase is RunPhase.FORMING
             and self._join_deadline_at is not None
@@ -809,7 +809,7 @@ class Coordinator:
         if self._join_deadline_at is None:
             self._join_deadline_at = now + self.config.join_timeout_s
         if self._heartbeat_at is None:
-            self._heartbeat_at = now + HEARTBEAT_INTERVAL_S
+            self._heartbeat_at = now + self._heartbeat_every_s
 
     def _seed_resume(self, resume: ResumeState) -> None:
         if not 0 <= resume.epoch <= self.config.total_epochs:

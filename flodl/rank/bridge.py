@@ -61,6 +61,7 @@ from flodl.errors import (
     RemoteProtocolError,
 )
 from flodl.rank.resources import RESOURCE_INTERVAL_S, ResourceProbe
+from flodl.timeouts import heartbeat_interval_s
 from flodl.wire.codec import check_secret
 from flodl.wire.frames import (
     RANK_FRAME_KINDS,
@@ -162,7 +163,9 @@ class RankBridge:
         port: the coordinator's control port.
         secret: the run secret that authenticates every frame (at least 16 bytes).
         hello: the first frame of the connection; its ``rank`` is this rank.
-        heartbeat_s: interval of the bridge's :class:`Heartbeat` frames (seconds).
+        heartbeat_s: the longest interval of the bridge's :class:`Heartbeat` frames (seconds);
+            from the ``accept`` on, a third of the coordinator's ``heartbeat_timeout_s`` where
+            that is shorter (docs/design.md §2b, "Heartbeat cadence").
         liveness_timeout_s: the longest wait for the whole handshake (the coordinator's challenge
             and its reply, seconds); from the ``accept`` on, the coordinator's
             ``heartbeat_timeout_s`` is the silence after which it counts as lost.
@@ -522,6 +525,8 @@ class RankBridge:
         self._accept = accept
         # from accept on, the coordinator's liveness timeout rules (docs/reliability.md)
         self._liveness_timeout_s = accept.heartbeat_timeout_s
+        # and sets the cadence: three heartbeats at least in every liveness window
+        self._heartbeat_s = min(self._heartbeat_s, heartbeat_interval_s(accept.heartbeat_timeout_s))
         self._last_seen_at = loop.time()
         self._reader_task = self._spawn(self._read_loop(fr), "reader")
         self._spawn(self._heartbeat_loop(), "heartbeat")

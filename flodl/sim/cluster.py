@@ -67,7 +67,7 @@ from flodl.rank.protocol import (
 )
 from flodl.sim.invariants import frame_violation, state_violation
 from flodl.sim.trace import Failure, SimTrace
-from flodl.timeouts import HEARTBEAT_INTERVAL_S, Timeouts
+from flodl.timeouts import Timeouts
 from flodl.wire.frames import (
     Accept,
     BundleSaved,
@@ -134,7 +134,8 @@ class SimCluster:
             keeps its order).
         reduce_ms: duration of one parameter reduce (upload+sum+download).
         heartbeat_timeout_s: staleness threshold.
-        heartbeat_s: rank heartbeat interval.
+        heartbeat_s: rank heartbeat interval (``None``: the production cadence for
+            ``heartbeat_timeout_s``, :attr:`~flodl.timeouts.Timeouts.heartbeat_interval_s`).
         detect_delay_s: launcher child-exit report latency for kills (and the time a
             collective takes to fail on a killed peer's reset).
         max_failure: the run's failure budget.
@@ -177,7 +178,7 @@ class SimCluster:
         net_delay_ms: float = 0.2,
         reduce_ms: float = 5.0,
         heartbeat_timeout_s: float = 30.0,
-        heartbeat_s: float = HEARTBEAT_INTERVAL_S,
+        heartbeat_s: float | None = None,
         detect_delay_s: float = 0.005,
         max_failure: MaxFailure | None = None,
         check_invariants: bool = True,
@@ -236,7 +237,9 @@ class SimCluster:
         self.keep_records = keep_records
         self.net_s = net_delay_ms / 1000.0
         self.reduce_s = reduce_ms / 1000.0
-        self.heartbeat_s = heartbeat_s
+        self.heartbeat_s = (
+            self.timeouts.heartbeat_interval_s if heartbeat_s is None else float(heartbeat_s)
+        )
         self.detect_delay_s = detect_delay_s
         self.check_invariants = check_invariants
         self.now = 0.0

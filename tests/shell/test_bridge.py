@@ -651,6 +651,25 @@ def test_coord_heartbeats_keep_it_alive_and_are_not_queued(
     assert "liveness timeout 0.3 s" in bridge.lost_reason
 
 
+def test_a_short_liveness_timeout_sets_a_faster_heartbeat(
+    fast_coord: FakeCoordinator, make_bridge: BridgeFactory
+) -> None:
+    """The coordinator announces 0.3 s: the rank's heartbeats come every 0.1 s from then on
+    (docs/design.md §2b, "Heartbeat cadence"), not at its 1 s setting, so a coordinator that
+    hears nothing else from it (a rank waiting in a round) does not declare it dead. Eight
+    heartbeats at the 1 s setting take at least 6.3 s (the 0.9 of the test above)."""
+    coord = fast_coord
+    bridge = make_bridge(coord.port, heartbeat_s=1.0)
+    bridge.start()
+    coord.start_heartbeats(0.05)  # (keeps the bridge from losing the coordinator meanwhile)
+    first, _ = coord.next_frame(Heartbeat)
+    for _ in range(7):
+        at, beat = coord.next_frame(Heartbeat)
+        assert beat == Heartbeat(rank=0, step=0)
+    assert at - first < 7 * 0.9 * 1.0, at - first
+    assert not bridge.lost.is_set(), bridge.lost_reason
+
+
 def test_silence_marks_lost_after_liveness_timeout(
     fast_coord: FakeCoordinator, make_bridge: BridgeFactory
 ) -> None:

@@ -97,6 +97,28 @@ def test_hung_rank_is_evicted_after_heartbeat_timeout_and_its_work_redone(mode: 
     _assert_exact_coverage(tr, 2)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_with_a_short_timeout_a_rank_that_only_heartbeats_is_not_taken_for_dead(seed: int) -> None:
+    """A 1 s liveness timeout, two ranks of five hung: the others wait in the CPU round for
+    them, sending nothing but heartbeats until the hung ranks are declared dead. At the
+    original's 1 s cadence a heartbeat a little late read as a death (a healthy rank declared
+    dead, or failing its round on the data-plane timeout) in five of these six seeds; at a
+    third of the timeout (docs/design.md §2b, "Heartbeat cadence") only the hung ranks go."""
+    tr = _run(
+        "cpu_cadence",
+        [22.9, 31.5, 29.9, 26.1, 39.0],
+        dataset_len=6400,
+        epochs=1,
+        seed=seed,
+        heartbeat_timeout_s=1.0,
+        failures=[Failure(1, 0.542, "hang"), Failure(2, 1.234, "hang")],
+    )
+    assert tr.ok, tr.reason
+    assert sorted(rank for _, rank, _ in tr.deaths) == [1, 2], tr.deaths
+    assert tr.rank_failures == []
+    _assert_exact_coverage(tr, 1)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_max_failure_breach_broadcasts_exactly_one_shutdown_with_save(mode: str) -> None:
     tr = _run(

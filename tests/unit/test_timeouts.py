@@ -14,7 +14,7 @@ from flodl.coord.machine import Coordinator
 from flodl.data import TensorBatchDataset
 from flodl.errors import ConfigError
 from flodl.launch.env import timeout_scale
-from flodl.timeouts import DEFAULT_HEARTBEAT_TIMEOUT_S, Timeouts
+from flodl.timeouts import DEFAULT_HEARTBEAT_TIMEOUT_S, HEARTBEAT_INTERVAL_S, Timeouts
 from flodl.trainer_config import TrainerConfig, coord_config, job_spec
 from flodl.wire.frames import Accept, Hello
 
@@ -40,6 +40,9 @@ def test_the_hierarchy_holds_for_every_knob(heartbeat: float, scale: float) -> N
     # the progress watchdog would end the run
     assert t.step_hang_floor_s == pytest.approx(2 * hb) and t.step_hang_floor_s > t.heartbeat_s
     assert t.step_hang_floor_s < t.step_hang_ceiling_s < t.stall_ceiling_s
+    # three heartbeats at least in every liveness window, never more often than needed
+    assert t.heartbeat_interval_s * 3 <= t.heartbeat_s * (1 + 1e-12)
+    assert t.heartbeat_interval_s == min(HEARTBEAT_INTERVAL_S, t.heartbeat_s / 3)
 
 
 def test_the_defaults_are_the_originals() -> None:
@@ -48,6 +51,14 @@ def test_the_defaults_are_the_originals() -> None:
     assert t.collective_s == 20.0 and t.hard_exit_grace_s == 10.0
     assert (t.step_hang_floor_s, t.step_hang_ceiling_s) == (60.0, 270.0)
     assert DEFAULT_HEARTBEAT_TIMEOUT_S == 30.0
+    assert t.heartbeat_interval_s == HEARTBEAT_INTERVAL_S == 1.0
+
+
+@pytest.mark.parametrize(("hb", "every"), [(30.0, 1.0), (3.0, 1.0), (1.5, 0.5), (0.6, 0.2)])
+def test_heartbeats_come_every_second_or_three_times_a_timeout(hb: float, every: float) -> None:
+    """The original's 1 s cadence, unscaled, down to a 3 s timeout; below it a third of the
+    timeout, so a rank that only heartbeats is never one late beat from a false death."""
+    assert Timeouts(hb).heartbeat_interval_s == pytest.approx(every)
 
 
 @pytest.mark.parametrize(

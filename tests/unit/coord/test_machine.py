@@ -38,6 +38,7 @@ from flodl.coord.ledger import BatchRange
 from flodl.coord.liveness import RankState
 from flodl.coord.machine import Coordinator, RunPhase
 from flodl.coord.resume import META_SCHEMA_VERSION
+from flodl.timeouts import Timeouts
 from flodl.wire.frames import (
     PROTOCOL_VERSION,
     Accept,
@@ -720,6 +721,19 @@ def test_coordinator_heartbeat_every_second() -> None:
     c.kill(1)
     c.clock.advance_to(2.0)
     assert c.tick() == [Send(0, CoordHeartbeat()), Send(2, CoordHeartbeat())]
+
+
+def test_coordinator_heartbeat_three_times_a_short_timeout() -> None:
+    """With a 1.5 s liveness timeout the coordinator heartbeats every 0.5 s, not every second:
+    a rank watching for it would otherwise be one late frame from losing its coordinator."""
+    c = joined(world_size=2, timeouts=Timeouts(1.5))
+    c.clock.advance_to(0.4)
+    assert c.tick() == []
+    assert c.coord.next_deadline() == 0.5
+    for at in (0.5, 1.0, 1.5):
+        c.clock.advance_to(at)
+        heartbeat_all(c, (0, 1))
+        assert c.tick() == [Send(r, CoordHeartbeat()) for r in range(2)]
 
 
 # =============================================================================================
