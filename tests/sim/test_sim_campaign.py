@@ -1,10 +1,11 @@
 """Random fault mixes on the production coordinator and rank protocol (docs/design.md §8, "A
-seventh"): every mode, 2–8 ranks of random speeds, kills, hangs, rejoins of killed ranks, a
-late joiner, callbacks, anchor caps, network delays and jitter, liveness timeouts of 1 or 3 s;
-the simulator checks the invariants after every step. A run either completes with exact
-coverage and no rank failing on its own, or stops for a reason the rules call for: a collective
-mode left with one rank (``single_survivor``), or no rank left that holds the consensus
-(``all_ranks_lost``). Seeded: every case replays exactly (``scenario(seed)``)."""
+seventh"): every mode, 2–8 ranks of random speeds, kills, hangs, rejoins of killed ranks,
+late joiners, callbacks, anchor caps, failure budgets, divergence and LR feeds, network delays
+and jitter, liveness timeouts of 1 or 3 s; the simulator checks the invariants after every
+step. A run either completes with exact coverage and no rank failing on its own, or stops for
+a reason the rules call for: a collective mode left with one rank (``single_survivor``), no
+rank left that holds the consensus (``all_ranks_lost``), or the failure budget spent
+(``max_failure_exceeded``). Seeded: every case replays exactly (``scenario(seed)``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from flodl.config import MODES
+from flodl.config import MODES, MaxFailure
 from flodl.sim import Failure, SimCluster
 
 
@@ -52,9 +53,17 @@ def scenario(seed: int) -> tuple[str, list[float], dict[str, Any]]:
     }
     if rng.random() < 0.3:
         kw["epoch_fn_ms"] = rng.uniform(1.0, 300.0)
+    if rng.random() < 0.3:
+        late = rng.randint(1, world - 1)
+        kw["min_world_size"] = world - late
+        kw["join_at"] = [0.0] * (world - late) + [rng.uniform(0.1, 4.0) for _ in range(late)]
     if rng.random() < 0.2:
-        kw["min_world_size"] = world - 1
-        kw["join_at"] = [0.0] * (world - 1) + [rng.uniform(0.1, 3.0)]
+        kw["max_failure"] = MaxFailure(absolute=rng.randint(1, 3))
+    if rng.random() < 0.25:
+        amplitude = rng.choice([0.01, 0.5, 5.0])  # (a guard that stays quiet, and one that acts)
+        kw["divergence"] = lambda rank, step: amplitude * ((rank * 7 + step) % 5) / 5.0
+    if rng.random() < 0.2:
+        kw["lr"] = lambda rank, step: 0.1 / (1.0 + step / 50.0)
     if rng.random() < 0.3:
         kw["elche"] = {"max_anchor": rng.choice([2, 5, 20])}
     if rng.random() < 0.3:
@@ -83,5 +92,8 @@ def test_a_random_fault_mix_keeps_the_rules(seed: int) -> None:
     assert tr.deaths and {r for _, r, _ in tr.deaths} <= faulted, (tr.reason, tr.deaths)
     if "single_survivor" in tr.reason:
         assert mode.startswith("nccl"), tr.reason  # a collective needs two
+    elif "max_failure_exceeded" in tr.reason:
+        budget = kw.get("max_failure")
+        assert budget is not None and len(tr.deaths) >= budget.absolute, (tr.reason, tr.deaths)
     else:
         assert "all_ranks_lost" in tr.reason, tr.reason
