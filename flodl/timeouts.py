@@ -6,9 +6,9 @@ property of :class:`Timeouts`, so the order of the hierarchy holds by constructi
 gives up on a collective (``2/3·hb``) before its coordinator would declare it dead (``hb``),
 and leaves its process ``hb/3`` after losing its coordinator; heartbeats go out at least three
 times per ``hb`` in both directions, so one late heartbeat never reads as a death. The
-coordinator builds one
-``Timeouts`` (the Trainer's launcher and ``flodl coord`` alike), sends ``hb`` and the scale in
-``accept``, and ranks derive theirs from what they receive, never from their own settings.
+coordinator builds one ``Timeouts`` (the Trainer's launcher and ``flodl coord`` alike), sends
+``hb`` and the scale in ``accept``, and ranks derive theirs from what they receive, never from
+their own settings.
 """
 
 from __future__ import annotations
