@@ -40,8 +40,7 @@ def test_the_hierarchy_holds_for_every_knob(heartbeat: float, scale: float) -> N
     # the progress watchdog would end the run
     assert t.step_hang_floor_s == pytest.approx(2 * hb) and t.step_hang_floor_s > t.heartbeat_s
     assert t.step_hang_floor_s < t.step_hang_ceiling_s < t.stall_ceiling_s
-    # three heartbeats at least in every liveness window, never more often than needed
-    assert t.heartbeat_interval_s * 3 <= t.heartbeat_s * (1 + 1e-12)
+    # the cadence: every second, or three heartbeats in every liveness window when shorter
     assert t.heartbeat_interval_s == min(HEARTBEAT_INTERVAL_S, t.heartbeat_s / 3)
 
 
