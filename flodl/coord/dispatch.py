@@ -53,6 +53,7 @@ from flodl.coord.partition import (
     final_window_alloc,
     partition_sizes,
     split_among,
+    window_chunk,
 )
 from flodl.coord.resume import ResumeState
 from flodl.errors import LocalProtocolError, RemoteProtocolError
@@ -135,7 +136,8 @@ class Dispatch:
         self._cohort_version = 0
         self._calibrating = False
         """ElChe has no measurement nor hint yet (cached with the cohort)."""
-        self._extends = self._barrier and self.progressive and self.traits.chunk_is_window
+        self._whole_chunk = self.progressive and self.traits.chunk_is_window  # chunk = window
+        self._extends = self._barrier and self._whole_chunk
         self._ext_cycle = -1
         self._ext_holding: set[int] = set()
         """Ranks holding a calibration extension in the window after cycle ``_ext_cycle``."""
@@ -173,6 +175,11 @@ class Dispatch:
                 return w.in_flight(rank)
         return sum(w.in_flight(rank) for w in works.values())
 
+    def _in_flight_reader(self) -> Callable[[int], int]:
+        """:meth:`in_flight`, bound to the ledger when one epoch is open (one call, not three)."""
+        works = self.works
+        return next(iter(works.values())).in_flight if len(works) == 1 else self.in_flight
+
     def coverage(self, epoch: int) -> CoverageReport | None:
         """The coverage report of a finished epoch (checked when it closed), or of an open one."""
         if epoch in self.works:
@@ -197,7 +204,11 @@ class Dispatch:
 
     def snapshot(self, rank: int) -> dict[int, int]:
         """``rank``'s done count per open epoch (what a cycle it enters will commit)."""
-        return {e: w.done(rank) for e, w in self.works.items()}
+        works = self.works
+        if len(works) == 1:  # (every ack takes one: no comprehension in the common case)
+            for e, w in works.items():
+                return {e: w.done(rank)}
+        return {e: w.done(rank) for e, w in works.items()}
 
     def epochs_done(self) -> bool:
         """No epoch is open and every epoch of the run was opened."""
@@ -242,9 +253,7 @@ class Dispatch:
             return
         steps = self.windows[rank].window.steps
         quiesced = self.in_flight(rank) == 0
-        if self.traits.chunk_is_window and self.progressive:
-            # One chunk = one window (possibly a final-window slot above the count): the
-            # window is done when the chunk is, never in the middle of it.
+        if self._whole_chunk:  # (the window is done when its chunk is, never in its middle)
             sat = quiesced
         else:
             need = 1 if self.traits.one_step_gate else self.cohort()[0][rank]
@@ -252,10 +261,19 @@ class Dispatch:
         self.gate.set(rank, live=True, sat=sat, moved=steps > 0)
 
     def refresh_all(self) -> None:
+        """Every rank's count-gate flags by :meth:`refresh`'s rule, in one pass (per cycle)."""
         self._gate_stale = False
-        self.gate.reset(self.membership.alive_count())
+        n = self.config.world_size
+        sat, moved = [False] * n, [False] * n  # (a rank not alive: both cleared)
+        windows, in_flight = self.windows, self._in_flight_reader()
+        whole = self._whole_chunk
+        need = [1] * n if self.traits.one_step_gate else self.cohort()[0]
         for r in self.membership.alive():
-            self.refresh(r)
+            steps = windows[r].window.steps
+            quiesced = in_flight(r) == 0
+            sat[r] = quiesced if whole else steps >= need[r] or quiesced
+            moved[r] = steps > 0
+        self.gate.load(self.membership.alive_count(), sat, moved)
 
     def gate_open(self) -> bool:
         """Whether the count gate says a cycle may start."""
@@ -349,29 +367,25 @@ class Dispatch:
     def take_chunks(
         self, ranks: Iterable[int], now: float, out: list[Effect]
     ) -> dict[int, EpochPlan]:
-        """:meth:`take_chunk` for each of ``ranks`` in turn, in one pass: a finalize hands every
-        live rank its next chunk, so what is the same for all of them (the pacing mode, the
-        cached cohort, the epoch being served) is read once, not once per rank (docs/design.md
-        §2, "Coordinator cost"). Ranks the pacing rules hold get no entry."""
+        """:meth:`take_chunk` for each of ``ranks`` in turn, in one pass: what is the same for
+        all of them (the pacing mode, the cohort, the epoch served) is read once, not per rank
+        (docs/design.md §2, "Coordinator cost"). Ranks the pacing rules hold get no entry."""
         plans: dict[int, EpochPlan] = {}
         barrier = self._barrier
         if barrier and self.cycle.pending:
             return plans
-        trains, in_flight, refresh, plan = (
-            self.membership.trains,
-            self.in_flight,
-            self.refresh,
-            self.plan,
-        )
+        refresh, plan = self.refresh, self.plan
+        in_flight = self._in_flight_reader()
         windows = self.windows
         overshoot = self.overshoot
-        counts, _, sum_counts = self.cohort()
+        # (the cohort's mask is Membership.trains per rank: a change of it invalidates the cohort)
+        counts, trains, sum_counts = self.cohort()
         calibrated = not self._calibrating  # (cached with the cohort)
         world_size = self.config.world_size
         work: EpochWork | None = None
         slots: list[int] | None = None  # the epoch's pinned final-window slots (barrier-paced)
         for rank in ranks:
-            if not trains(rank):
+            if not trains[rank]:
                 continue
             held = in_flight(rank)
             if barrier and held > 0:
@@ -390,7 +404,8 @@ class Dispatch:
                     if barrier or self.next_epoch >= self.config.total_epochs:
                         break  # nothing unassigned, and nothing to open: no rank gets a chunk
                     work = self.open_epoch(self.next_epoch, now, out)
-                    counts, _, sum_counts = self.cohort()  # opening invalidated it (next ranks)
+                    counts, trains, sum_counts = self.cohort()  # opening invalidated it
+                    in_flight = self._in_flight_reader()  # (another epoch is open)
                     calibrated = not self._calibrating
                     if work.remaining() == 0:
                         work = None
@@ -406,6 +421,8 @@ class Dispatch:
                 if final_slot is not None or remaining <= self._final_band():
                     continue
                 size = 1
+            elif barrier and final_slot is None:
+                size = window_chunk(count, steps, remaining)
             else:
                 size = chunk_batches(
                     barrier_paced=barrier,
@@ -427,7 +444,8 @@ class Dispatch:
                 continue
             if extension:
                 self._ext_holding.add(rank)
-            refresh(rank)
+            if not self._gate_stale:  # (a finalize's: the gate is rebuilt on its next read)
+                refresh(rank)
             if final_slot is not None and slots is not None:
                 slots[rank] = max(0, slots[rank] - rng.size)
             plans[rank] = plan(work.epoch, rng)
@@ -435,21 +453,19 @@ class Dispatch:
 
     def window_spent(self, rank: int) -> bool:
         """Whether the pacing rules hand ``rank``, which holds no work, nothing before the next
-        finalize: its window's budget is spent (``steps ≥ count + overshoot``, the rule
-        :meth:`take_chunks` applies) and no calibration fill applies. O(1): a rank that just
-        trained its chunk's last batch asks this first (docs/design.md §2, "Coordinator cost":
-        in the barrier-paced modes that is every rank once per cycle, and the answer is
-        almost always yes)."""
-        spent = self.windows[rank].window.steps >= self.cohort()[0][rank] + self.overshoot
-        return spent and not self._may_extend(rank)
+        finalize: its window's budget is spent (``steps ≥ count + overshoot``, as
+        :meth:`take_chunks` has it) and no calibration fill applies. O(1): every rank asks it
+        once per cycle in the barrier-paced modes (docs/design.md §2, "Coordinator cost")."""
+        if self.windows[rank].window.steps < self.cohort()[0][rank] + self.overshoot:
+            return False
+        return not (self._extends and self._calibrating and self._may_extend(rank))
 
     def _may_extend(self, rank: int) -> bool:
-        """Whether ``rank``, done with its window's chunk, may train one more batch of it: the
-        calibration window only (Cadence, progressive, ElChe has no measurement yet, so every
-        rank was given the same count), and only while another rank still trains the chunk
-        it opened the window with — the fast ranks fill the wait for the slow one instead of
-        idling through it (docs/design.md §5, "Calibration fill"). O(1): the unsatisfied
-        ranks of the count gate are exactly the ranks holding work."""
+        """Whether ``rank``, done with its window's chunk, may train one more batch of it: in
+        the calibration window only (progressive Cadence before ElChe's first measurement),
+        while another rank still trains its first chunk, so the fast ranks fill the wait for
+        the slow one (docs/design.md §5, "Calibration fill"). O(1): the count gate's
+        unsatisfied ranks are exactly the ranks holding work."""
         if not self._extends:
             return False
         self.cohort()

@@ -10,6 +10,8 @@ over live ranks; the coordinator's dispatch decides each rank's flags
 
 from __future__ import annotations
 
+from flodl.errors import LocalProtocolError
+
 __all__ = ["CountGate"]
 
 
@@ -35,6 +37,17 @@ class CountGate:
         self._moved = [False] * n
         self._unsat = alive_count
         self._moved_count = 0
+
+    def load(self, alive_count: int, sat: list[bool], moved: list[bool]) -> None:
+        """Every rank's flags at once (a rank not alive has both False): :meth:`reset`, then
+        :meth:`set` for each live rank, without a call per rank. The lists are taken over."""
+        if len(sat) != len(self._sat) or len(moved) != len(self._moved):
+            raise LocalProtocolError(
+                f"CountGate.load: {len(sat)}/{len(moved)} flags for {len(self._sat)} ranks"
+            )
+        self._sat, self._moved = sat, moved
+        self._unsat = alive_count - sat.count(True)
+        self._moved_count = moved.count(True)
 
     def set(self, rank: int, *, live: bool, sat: bool, moved: bool) -> None:
         """``rank``'s flags (a dead rank's are cleared and it leaves the counts untouched:

@@ -59,9 +59,15 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True, order=True)
+@dataclass(slots=True, order=True, unsafe_hash=True)
 class BatchRange:
     """A half-open range ``[start, stop)`` of batch indices within one epoch.
+
+    Immutable (nothing assigns to a range once built; the ledger replaces ranges, and a
+    grant is queued as the very object), hashable, but not declared frozen: a finalize builds
+    two per live rank, and a frozen dataclass's constructor costs 2.4× a plain one's (the
+    reason :class:`~flodl.coord.effects.Send` is not frozen either; docs/design.md §2,
+    "Coordinator cost").
 
     Attributes:
         start: first batch index (inclusive), ``>= 0``.
@@ -530,12 +536,17 @@ class EpochWork:
         ledger.committed_count += need
         while need > 0:
             head = queue[0]
-            size = head.stop - head.start
+            start, stop = head.start, head.stop
+            size = stop - start
             if need >= size:  # the whole range is committed
                 queue.popleft()
                 if ledger.last_grant is head:  # (a grant is queued as the very object)
                     ledger.last_grant = None
-                _insert_span(starts, stops, head.start, head.stop)
+                if size and starts and stops[-1] < start:  # (_insert_span's common case)
+                    starts.append(start)
+                    stops.append(stop)
+                else:
+                    _insert_span(starts, stops, start, stop)
                 need -= size
             else:
                 queue[0] = BatchRange(head.start + need, head.stop)

@@ -200,7 +200,8 @@ class Coordinator:
     def handle(self, event: RankFrame | Input, now: float) -> list[Effect]:
         """Apply one input received at monotonic ``now`` (seconds); return the effects."""
         out: list[Effect] = []
-        self._arm_clocks(now)
+        if self._heartbeat_at is None:  # (set together with the join deadline, once)
+            self._arm_clocks(now)
         if event.kind not in self._accepts:  # accepts(self.phase, kind), without hashing it
             self._not_accepted(event, now, out)
             return out
@@ -569,6 +570,7 @@ class Coordinator:
         if self.phase is RunPhase.SHUTDOWN:
             if self.membership.mark_exited(rank):
                 self.dispatch.gate.forget(rank)
+                self.dispatch.invalidate_cohort()  # (the live set changed)
                 out.append(RankLeft(rank))
             self._maybe_done(out)
         else:

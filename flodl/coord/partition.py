@@ -54,6 +54,7 @@ __all__ = [
     "reduce_step_budget",
     "cap_to_reduce_budget",
     "chunk_batches",
+    "window_chunk",
 ]
 
 
@@ -435,6 +436,18 @@ def cap_to_reduce_budget(sized: int, budget: int, steps_in_window: int) -> int:
     return min(sized, max(1, budget - steps_in_window))
 
 
+def window_chunk(count: int, steps_in_window: int, remaining: int) -> int:
+    """A barrier-paced rank's next chunk outside the epoch's final window: the rest of its
+    window's count, at most what is unassigned; 0 to hold (the window is trained, or nothing
+    is unassigned). :func:`chunk_batches` rules 2 and 3 with the budget cap, which coincide
+    when the mode is barrier-paced: the dispatcher calls this directly for every rank of a
+    finalize (docs/design.md §2, "Coordinator cost")."""
+    if remaining <= 0 or steps_in_window >= count:
+        return 0
+    rest = count - steps_in_window
+    return min(remaining, rest)
+
+
 def chunk_batches(
     *,
     barrier_paced: bool,
@@ -501,6 +514,11 @@ def chunk_batches(
         require_positive("min_chunk_batches", min_chunk_batches)
         if final_slot is not None:
             require_non_negative("final_slot", final_slot)
+    if barrier_paced and final_slot is None:
+        if count < 0 or max_overshoot < 0:  # (reduce_step_budget's checks)
+            require_non_negative("count", count)
+            require_non_negative("max_overshoot", max_overshoot)
+        return window_chunk(count, steps_in_window, remaining)
     budget = reduce_step_budget(count, max_overshoot, barrier_paced=barrier_paced)
     if remaining == 0 or steps_in_window >= budget:
         return 0

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flodl.coord.partition import (
+    cap_to_reduce_budget,
     carve_ranges,
     chunk_batches,
     consolidate_lone_ones,
@@ -19,7 +20,9 @@ from flodl.coord.partition import (
     partition_ranges,
     partition_sizes,
     ratio_to_sizes,
+    reduce_step_budget,
     split_among,
+    window_chunk,
 )
 from flodl.errors import LocalProtocolError
 
@@ -394,3 +397,30 @@ def test_chunk_never_crosses_the_budget_or_the_pool(
     assert got <= max(0, budget - steps)
     if remaining and steps < budget:
         assert got >= 1 or count == 0
+
+
+@given(
+    count=st.integers(0, 300),
+    steps=st.integers(0, 300),
+    remaining=st.integers(0, 2000),
+    sum_counts=st.integers(0, 5000),
+)
+def test_a_barrier_paced_chunk_outside_the_final_window_is_the_rest_of_the_count(
+    count: int, steps: int, remaining: int, sum_counts: int
+) -> None:
+    # The rule as chunk_batches' general path spells it (rules 2 and 3 size the chunk at the
+    # count, then the reduce-budget cap, then the pool): the dispatcher's per-rank shortcut,
+    # window_chunk, and chunk_batches itself must both agree with it.
+    budget = reduce_step_budget(count, barrier_paced=True)
+    held = remaining == 0 or steps >= budget
+    rule = 0 if held else min(cap_to_reduce_budget(count, budget, steps), remaining)
+    assert window_chunk(count, steps, remaining) == rule
+    got = size(count=count, steps_in_window=steps, remaining=remaining, sum_counts=sum_counts)
+    assert got == rule
+
+
+def test_a_barrier_paced_chunk_still_refuses_a_negative_count_or_overshoot() -> None:
+    with pytest.raises(LocalProtocolError, match="count"):
+        size(count=-1)
+    with pytest.raises(LocalProtocolError, match="max_overshoot"):
+        size(max_overshoot=-1)
