@@ -454,16 +454,19 @@ def run_in_group(cmd: Sequence[str], timeout_s: float, **popen: Any) -> tuple[in
     return code, got[0], got[1]
 
 
-def build_compiled_core(scratch: Path, timeout_s: float | None = None) -> Path:
+def build_compiled_core(
+    scratch: Path, timeout_s: float | None = None, source: Path = REPO_ROOT
+) -> Path:
     """The compiled core built as a user builds it (``HATCH_BUILD_HOOK_ENABLE_CUSTOM=1 pip wheel
-    .``; docs/design.md §2, "Compiled core"), installed under ``scratch``; returns the directory
-    to put first on ``sys.path``. The build runs at a low priority: minutes of C compiler on a
-    core that other work (a test worker, say) may share. Used by bench_coord and
+    .``; docs/design.md §2, "Compiled core") from ``source`` (the repository, or another
+    revision's tree), installed under ``scratch``; returns the directory to put first on
+    ``sys.path``. The build runs at a low priority: minutes of C compiler on a core that other
+    work (a test worker, say) may share. Used by bench_coord and
     tests/integration/test_compiled_core.py."""
     wheels, site = scratch / "wheel", scratch / "site"
     env = os.environ | {"HATCH_BUILD_HOOK_ENABLE_CUSTOM": "1"}
     pip = [sys.executable, "-m", "pip", "-q"]
-    build = ["nice", "-n", "10", *pip, "wheel", "--no-deps", "-w", str(wheels), str(REPO_ROOT)]
+    build = ["nice", "-n", "10", *pip, "wheel", "--no-deps", "-w", str(wheels), str(source)]
     subprocess.run(build, env=env, check=True, timeout=timeout_s)
     (wheel,) = wheels.glob("flodl-*.whl")
     install = [*pip, "install", "--no-deps", "--target", str(site), str(wheel)]

@@ -28,12 +28,18 @@ Target: the 4096-rank cycle costs < 50 ms of coordinator CPU, growing no faster 
 
 Every world size runs ``REPEATS`` times, interleaved; a row is the run with the median cycle.
 
+``--baseline REV`` also measures git revision ``REV`` of this repository (unpacked with ``git
+archive``; its compiled core built too with ``--compiled``), every (tree, core) child alternated
+with this tree's, and reports this tree's cycle against it: the way to show what a change did
+on a machine whose speed drifts by more than the change between two sittings.
+
 ``--compiled`` measures the compiled core too (docs/design.md §2, "Compiled core"): it builds
 the wheel a user would (``HATCH_BUILD_HOOK_ENABLE_CUSTOM=1 pip wheel .``), installs it in a
 scratch directory, and measures both builds in child processes, alternated (one run of every
 world size per child), so each row names its core.
 
-    python benchmarks/bench_coord.py [--quick] [--repeat N] [--compiled] [--json PATH]
+    python benchmarks/bench_coord.py [--quick] [--repeat N] [--compiled] [--baseline REV]
+                                     [--json PATH]
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import (
+    REPO_ROOT,
     RESULTS_DIR,
     CoordinatorView,
     add_markdown_option,
@@ -349,7 +356,39 @@ def markdown(data: dict[str, Any]) -> str:
                 f"- 4096-rank cycle under {v['target_ms']:g} ms{which}: "
                 f"{cv['cycle_ms_4096']:.1f} ms, **{'met' if cv['met_cycle'] else 'not met'}**."
             )
+    baseline = data.get("baseline")
+    if baseline is not None:
+        lines += ["", *_baseline_lines(baseline)]
     return "\n".join(lines)
+
+
+def _baseline_lines(base: dict[str, Any]) -> list[str]:
+    """The comparison with ``--baseline``: this tree's median cycle against the baseline's."""
+    lines = [
+        (
+            f"Against the baseline `{base['rev']}` (commit `{base['commit'][:10]}`), measured in "
+            "the same run (`--baseline`): its sources, and its compiled core built the same way, "
+            "each ran as a child of its own, every (tree, core) child alternated with this "
+            "tree's, the same sizes, cycles and runs; each side's row is its median run."
+        ),
+        "",
+        "| core | ranks | cycle µs | baseline cycle µs | this / baseline | baseline, each run |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in base["comparison"]:
+        runs = " · ".join(f"{us:,.0f}" for us in c["baseline_cycle_us_runs"])
+        lines.append(
+            f"| {c['core']} | {c['world']:,} | {c['cycle_us']:,.0f} "
+            f"| {c['baseline_cycle_us']:,.0f} | {c['ratio']:.2f}× | {runs} |"
+        )
+    lines.append("")
+    for core, cv in base["verdicts"].get("by_core", {}).items():
+        if "cycle_ms_4096" in cv and "per_rank_growth_64_to_4096" in cv:
+            lines.append(
+                f"- The baseline's {core} core in this run: 4096-rank cycle "
+                f"{cv['cycle_ms_4096']:.1f} ms, growth {cv['per_rank_growth_64_to_4096']:.2f}×."
+            )
+    return lines
 
 
 def _runs_cell(row: dict[str, Any]) -> str:
@@ -378,12 +417,96 @@ def child_sweep(core: str, site: Path | None, cycles: int, out: Path) -> list[di
     return rows
 
 
+def baseline_tree(rev: str, dest: Path) -> str:
+    """Revision ``rev`` of this repository unpacked at ``dest`` (``git archive``); its commit."""
+    git = ["git", "-C", str(REPO_ROOT)]
+    found = subprocess.run(
+        [*git, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    if found.returncode != 0:
+        raise SystemExit(f"bench_coord: --baseline {rev!r} names no commit of {REPO_ROOT}")
+    commit = found.stdout.strip()
+    dest.mkdir(parents=True)
+    archive = subprocess.run([*git, "archive", commit], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return commit
+
+
+def comparison(rows: list[dict[str, Any]], base: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """This tree's median cycle against the baseline's, per core and world size."""
+    theirs = {(_core(r), r["world"]): r for r in base}
+    out = []
+    for r in rows:
+        b = theirs.get((_core(r), r["world"]))
+        if b is not None:
+            out.append(
+                {
+                    "core": _core(r),
+                    "world": r["world"],
+                    "cycle_us": r["cycle_us"],
+                    "baseline_cycle_us": b["cycle_us"],
+                    "ratio": r["cycle_us"] / b["cycle_us"],
+                    "baseline_cycle_us_runs": b.get("cycle_us_runs", [b["cycle_us"]]),
+                }
+            )
+    return out
+
+
+def measure_all(
+    cores: list[str], baseline: str | None, repeats: int, cycles: int
+) -> tuple[dict[tuple[str, str, int], list[dict[str, Any]]], str | None]:
+    """Every (tree, core, world size) run; the baseline's commit. A run with the compiled core
+    or a baseline measures in child processes, one sweep of every size per child, the
+    (tree, core) pairs alternated from one repeat to the next."""
+    trees = ["this", "baseline"] if baseline else ["this"]
+    runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {
+        (t, c, w): [] for t in trees for c in cores for w in SIZES
+    }
+    if cores == ["interpreted"] and baseline is None:
+        for _ in range(repeats):
+            for w in SIZES:
+                runs[("this", "interpreted", w)].append(measure(w, cycles))
+        return runs, None
+    scratch = Path(tempfile.mkdtemp(prefix="bench-coord-"))
+    commit = None
+    try:
+        sites: dict[tuple[str, str], Path] = {}
+        if baseline is not None:
+            source = scratch / "baseline"
+            commit = baseline_tree(baseline, source)
+            sites[("baseline", "interpreted")] = source
+        if "compiled" in cores:
+            sites[("this", "compiled")] = build_compiled_core(scratch / "this-build")
+            if baseline is not None:
+                sites[("baseline", "compiled")] = build_compiled_core(
+                    scratch / "baseline-build", source=scratch / "baseline"
+                )
+        pairs = [(t, c) for c in cores for t in trees]
+        for i in range(repeats):
+            for tree, core in pairs if i % 2 == 0 else pairs[::-1]:  # (alternated)
+                out = scratch / f"{tree}-{core}-{i}.json"
+                for r in child_sweep(core, sites.get((tree, core)), cycles, out):
+                    runs[(tree, core, r["world"])].append(r)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return runs, commit
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cycles, one run per size")
     parser.add_argument("--repeat", type=int, default=None, help=f"runs per size ({REPEATS})")
     parser.add_argument(
         "--compiled", action="store_true", help="build the compiled core and measure it too"
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also measure git revision REV's coordinator, alternated with this tree's (same "
+        "sizes, cores and runs), and report this tree's cycle against it",
     )
     parser.add_argument("--json", default=str(RESULTS_DIR / "bench_coord.json"))
     parser.add_argument("--sweep", help=argparse.SUPPRESS)  # (a child: one run of every size)
@@ -401,23 +524,8 @@ def main() -> None:
     cycles = 4 if args.quick else CYCLES
     repeats = args.repeat if args.repeat is not None else (1 if args.quick else REPEATS)
     cores = ["interpreted", "compiled"] if args.compiled else ["interpreted"]
-    runs: dict[tuple[str, int], list[dict[str, Any]]] = {(c, w): [] for c in cores for w in SIZES}
-    if args.compiled:
-        scratch = Path(tempfile.mkdtemp(prefix="bench-coord-"))
-        try:
-            site = build_compiled_core(scratch)
-            for i in range(repeats):
-                for core in cores if i % 2 == 0 else cores[::-1]:  # (alternated)
-                    where = site if core == "compiled" else None
-                    for r in child_sweep(core, where, cycles, scratch / f"{core}-{i}.json"):
-                        runs[(core, r["world"])].append(r)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-    else:
-        for _ in range(repeats):
-            for w in SIZES:
-                runs[("interpreted", w)].append(measure(w, cycles))
-    rows = [median_run(runs[(c, w)]) for c in cores for w in SIZES]
+    runs, commit = measure_all(cores, args.baseline, repeats, cycles)
+    rows = [median_run(runs[("this", c, w)]) for c in cores for w in SIZES]
     bases = _bases(rows)
     print_table(
         "coordinator cost per averaging cycle (cpu_cadence, anchor 10, equal speeds)",
@@ -469,6 +577,31 @@ def main() -> None:
                 f"{core}: 4096-rank cycle {cv['cycle_ms_4096']:.1f} ms "
                 f"(target < {TARGET_MS:g} ms): {state}"
             )
+    extra: dict[str, Any] = {}
+    if args.baseline is not None:
+        base_rows = [median_run(runs[("baseline", c, w)]) for c in cores for w in SIZES]
+        compared = comparison(rows, base_rows)
+        print_table(
+            f"this tree against {args.baseline} ({(commit or '')[:10]}), alternated in one run",
+            ["core", "ranks", "cycle µs", "baseline cycle µs", "this / baseline"],
+            [
+                [
+                    c["core"],
+                    c["world"],
+                    f"{c['cycle_us']:.0f}",
+                    f"{c['baseline_cycle_us']:.0f}",
+                    f"{c['ratio']:.2f}×",
+                ]
+                for c in compared
+            ],
+        )
+        extra["baseline"] = {
+            "rev": args.baseline,
+            "commit": commit,
+            "rows": base_rows,
+            "verdicts": verdicts(base_rows),
+            "comparison": compared,
+        }
     argv = " ".join(sys.argv[1:])
     write_json(
         args.json,
@@ -481,6 +614,7 @@ def main() -> None:
             "machine": machine_info(),
             "rows": rows,
             "verdicts": v,
+            **extra,
         },
     )
 

@@ -493,6 +493,52 @@ def test_coord_verdicts_and_markdown_name_each_core_measured(bench: Any) -> None
     assert "| compiled | 8 | 24 | 120 | 0 | 15.0 | 1.00× |" in text  # (per core, against its own 8)
 
 
+def test_coord_against_a_baseline_reports_each_core_and_size(bench: Any) -> None:
+    """``--baseline REV``: this tree's median cycle over the baseline's, per core and size, in
+    the JSON and the docs section, with the baseline's own figures."""
+    c = bench("bench_coord")
+
+    def rows(scale: float) -> list[dict[str, Any]]:
+        return [
+            {"world": w, "cycle_us": us * scale, "cycle_us_per_rank": us * scale / w}
+            | {"core": core, "batch_us": 3.5, "total_ms_per_cycle": 1.0, "one_off_ms": 2.0}
+            | {"sim_rank_seconds_per_wall_s": 700, "closing_ms": 1.0, "cycles": 24}
+            | {"cycle_gc_us": 0.0, "cycle_us_runs": [us * scale]}
+            for core, k in (("interpreted", 1.0), ("compiled", 0.5))
+            for w, us in ((8, 300.0 * k), (64, 1_500.0 * k), (4096, 100_000.0 * k))
+        ]
+
+    this, base = rows(0.8), rows(1.0)
+    compared = c.comparison(this, base)
+    assert [(x["core"], x["world"]) for x in compared][-1] == ("compiled", 4096)
+    assert all(x["ratio"] == pytest.approx(0.8) for x in compared)
+    data = result_head("python benchmarks/bench_coord.py --compiled --baseline HEAD~1") | {
+        "rows": this,
+        "verdicts": c.verdicts(this),
+        "baseline": {
+            "rev": "HEAD~1",
+            "commit": "0123456789abcdef",
+            "rows": base,
+            "verdicts": c.verdicts(base),
+            "comparison": compared,
+        },
+    }
+    text = c.markdown(data)
+    assert "Against the baseline `HEAD~1` (commit `0123456789`)" in text
+    assert "| compiled | 4,096 | 40,000 | 50,000 | 0.80× | 50,000 |" in text
+    assert "- The baseline's interpreted core in this run: 4096-rank cycle 100.0 ms" in text
+    assert "Against the baseline" not in c.markdown(data | {"baseline": None})
+
+
+def test_coord_baseline_is_a_revision_of_this_repository(bench: Any, tmp_path: Path) -> None:
+    c = bench("bench_coord")
+    with pytest.raises(SystemExit, match="'no-such-rev' names no commit"):
+        c.baseline_tree("no-such-rev", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    commit = c.baseline_tree("HEAD", tmp_path / "head")
+    assert len(commit) == 40 and (tmp_path / "head" / "flodl" / "coord" / "machine.py").is_file()
+
+
 def test_coord_rows_are_the_median_run_of_each_size(bench: Any) -> None:
     c = bench("bench_coord")
     runs = [{"world": 4096, "cycle_us": us, "tag": us} for us in (130_000.0, 95_000.0, 110_000.0)]
