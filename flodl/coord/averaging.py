@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from flodl.config import CoordConfig
-from flodl.coord.cycle import Cycle, CyclePhase, RankWindow, ranks_to_throttle
+from flodl.coord.cycle import Cycle, RankWindow, ranks_to_throttle
 from flodl.coord.dispatch import Dispatch
 from flodl.coord.effects import Alert, Effect, OpenReduce, Send
 from flodl.coord.elche import ElChe, WindowReport
@@ -141,9 +141,7 @@ class Averaging:
         # Only a rank the cycle expects: one admitted after the trigger (a new incarnation
         # whose old one died inside this cycle, say) was never asked and must not overwrite
         # the window or the snapshot the finalize settles.
-        if cycle.phase is not CyclePhase.PENDING or number != cycle.number:
-            return False
-        if rank not in cycle.expected:
+        if not cycle.pending or number != cycle.number or rank not in cycle.expected:
             return False
         run = self.windows[rank]
         run.snapshot = self.dispatch.snapshot(rank)
@@ -157,7 +155,7 @@ class Averaging:
         # the finalize rebuilds every rank's flags (Dispatch.invalidate_cohort).
         if ack.divergence is not None:  # (the guard reads only the ranks that measured one)
             self._divergence[rank] = (ack.divergence, ack.pre_norm, ack.post_norm)
-        return cycle.ack_ready(rank, ack.step)
+        return cycle.ack(rank, ack.step) and cycle.ready()
 
     def on_reduce_done(self, event: ReduceDone) -> bool:
         """The CPU reduce server folded the round; True once the cycle may finalize."""
@@ -253,9 +251,8 @@ class Averaging:
         windows, commit = self.windows, self.dispatch.commit
         for r in sorted(self.contributors()):
             run = windows[r]
-            snapshot = run.snapshot
-            if snapshot is not None and run.snapshot_cycle == number:
-                commit(r, snapshot)
+            if run.snapshot_cycle == number and run.snapshot is not None:
+                commit(r, run.snapshot)
         for r in sorted(self.deferred_forfeit):
             self.dispatch.forfeit(r, out, redistribute=redistribute)
             self.forget_snapshot(r)

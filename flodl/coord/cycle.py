@@ -118,18 +118,6 @@ class Cycle:
         self.waiting.discard(rank)
         return True
 
-    def ack_ready(self, rank: int, step: int) -> bool:
-        """:meth:`ack` then :meth:`ready`, checking the phase once: True when this ack (an
-        expected rank's, in the pending cycle) completed the cycle. Asked for every ack."""
-        if self.phase is not CyclePhase.PENDING or rank not in self.expected:
-            return False
-        self.acked[rank] = step
-        waiting = self.waiting
-        waiting.discard(rank)
-        if self.needs_reduce_done and not self.reduce_done and self.expected:
-            return False
-        return not waiting
-
     def drop(self, rank: int) -> None:
         """A dead rank counts as acked: never wait for it."""
         self.expected.discard(rank)

@@ -204,11 +204,7 @@ class Dispatch:
 
     def snapshot(self, rank: int) -> dict[int, int]:
         """``rank``'s done count per open epoch (what a cycle it enters will commit)."""
-        works = self.works
-        if len(works) == 1:  # (every ack takes one: no comprehension in the common case)
-            for e, w in works.items():
-                return {e: w.done(rank)}
-        return {e: w.done(rank) for e, w in works.items()}
+        return {e: w.done(rank) for e, w in self.works.items()}
 
     def epochs_done(self) -> bool:
         """No epoch is open and every epoch of the run was opened."""
@@ -458,7 +454,7 @@ class Dispatch:
         once per cycle in the barrier-paced modes (docs/design.md §2, "Coordinator cost")."""
         if self.windows[rank].window.steps < self.cohort()[0][rank] + self.overshoot:
             return False
-        return not (self._extends and self._calibrating and self._may_extend(rank))
+        return not self._may_extend(rank)
 
     def _may_extend(self, rank: int) -> bool:
         """Whether ``rank``, done with its window's chunk, may train one more batch of it: in

@@ -118,7 +118,6 @@ __all__ = [
 _STABLE_AFTER = 5
 _MATURE_AFTER = 20
 _SAME_MS_EPS = 1e-6
-_MAX_RATIO = float(MAX_SPEED_RATIO)
 
 
 def _round_half_away(x: float) -> int:
@@ -674,14 +673,8 @@ class ElChe:
             if ms <= 0 or abs(ms - slow_ms) < _SAME_MS_EPS:
                 target = anchor
             else:
-                # max(1, _round_half_away(anchor · min(slow_ms/ms, MAX_SPEED_RATIO))), inline:
-                # every rank's count, every window (the product is positive)
-                ratio = slow_ms / ms
-                if ratio > _MAX_RATIO:  # noqa: PLR1730 (no builtin call per rank)
-                    ratio = _MAX_RATIO
-                target = math.floor(anchor * ratio + 0.5)
-                if target < 1:  # noqa: PLR1730
-                    target = 1
+                ratio = min(slow_ms / ms, MAX_SPEED_RATIO)
+                target = max(1, _round_half_away(anchor * ratio))
             current = counts[r]
             if (
                 abs(target - current) > DEAD_ZONE * current

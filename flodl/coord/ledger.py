@@ -536,17 +536,12 @@ class EpochWork:
         ledger.committed_count += need
         while need > 0:
             head = queue[0]
-            start, stop = head.start, head.stop
-            size = stop - start
+            size = head.stop - head.start
             if need >= size:  # the whole range is committed
                 queue.popleft()
                 if ledger.last_grant is head:  # (a grant is queued as the very object)
                     ledger.last_grant = None
-                if size and starts and stops[-1] < start:  # (_insert_span's common case)
-                    starts.append(start)
-                    stops.append(stop)
-                else:
-                    _insert_span(starts, stops, start, stop)
+                _insert_span(starts, stops, head.start, head.stop)
                 need -= size
             else:
                 queue[0] = BatchRange(head.start + need, head.stop)

@@ -232,28 +232,3 @@ def test_throttle_is_sent_once_per_window_and_skips_dead_ranks() -> None:
     assert ranks_to_throttle(alive=[0, 1], window_steps=steps, max_batch_diff=1, already=set()) == [
         0
     ]
-
-
-@pytest.mark.parametrize("needs_reduce_done", [False, True])
-def test_ack_ready_is_ack_then_ready(needs_reduce_done: bool) -> None:
-    # The per-ack shortcut against the two calls it replaces, on the same sequence of events:
-    # a stale ack, a stranger's, a drop, the reduce done, every member's ack.
-    one, two = Cycle(needs_reduce_done), Cycle(needs_reduce_done)
-    events: list[tuple[str, int]] = [("ack", 0), ("begin", 0), ("ack", 7), ("ack", 0)]
-    events += [("drop", 2), ("ack", 0), ("done", 0), ("ack", 1), ("ack", 2), ("finish", 0)]
-    events += [("ack", 1)]
-    for what, rank in events:
-        if what == "ack":
-            expected = one.ack(rank, 10 + rank) and one.ready()
-            assert two.ack_ready(rank, 10 + rank) == expected, (what, rank)
-        else:
-            for c in (one, two):
-                if what == "begin":
-                    c.begin([0, 1, 2], 0.0)
-                elif what == "drop":
-                    c.drop(rank)
-                elif what == "done":
-                    c.mark_reduce_done((0, 1), 2.0)
-                else:
-                    c.finish()
-        assert (two.acked, two.waiting, two.phase) == (one.acked, one.waiting, one.phase)
