@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from flodl.coord.metrics import WindowStats
 
@@ -70,6 +71,11 @@ class CyclePhase(enum.Enum):
     PENDING = "pending"
 
 
+_PENDING: Final = CyclePhase.PENDING
+"""(Read per frame: a module global, not the enum class's attribute, which costs 7× more on
+Python 3.11; see :mod:`flodl.coord.liveness`.)"""
+
+
 @dataclass(slots=True)
 class Cycle:
     """One averaging cycle at a time (both backends).
@@ -108,7 +114,7 @@ class Cycle:
 
     @property
     def pending(self) -> bool:
-        return self.phase is CyclePhase.PENDING
+        return self.phase is _PENDING
 
     def ack(self, rank: int, step: int) -> bool:
         """Record an ack; False when it is not expected (stale cycle or unknown rank)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Final
 
 from flodl.config import MaxFailure
 from flodl.errors import LocalProtocolError
@@ -27,6 +28,14 @@ class RankState(enum.Enum):
     ALIVE = "alive"
     EXITED = "exited"
     DEAD = "dead"
+
+
+# Python 3.11's EnumType defines ``__getattr__``, which sends every attribute read on an enum
+# class (``RankState.ALIVE``) down the slow slot path: about 100 ns, where a module global
+# costs 15. The per-frame and per-rank paths read the member through these (docs/design.md
+# §2, "Coordinator cost").
+_ALIVE: Final = RankState.ALIVE
+_DEAD: Final = RankState.DEAD
 
 
 @dataclass(slots=True)
@@ -63,19 +72,19 @@ class Liveness:
         return self._ranks[rank].state
 
     def is_alive(self, rank: int) -> bool:
-        return self._ranks[rank].state is RankState.ALIVE
+        return self._ranks[rank].state is _ALIVE
 
     def alive(self) -> list[int]:
         """Ranks that joined and have neither died nor exited, ascending (a fresh list)."""
         if self._alive is None:
-            self._alive = [r for r, s in enumerate(self._ranks) if s.state is RankState.ALIVE]
+            self._alive = [r for r, s in enumerate(self._ranks) if s.state is _ALIVE]
         return self._alive.copy()
 
     def alive_mask(self) -> list[bool]:
-        return [s.state is RankState.ALIVE for s in self._ranks]
+        return [s.state is _ALIVE for s in self._ranks]
 
     def dead(self) -> list[int]:
-        return [r for r, s in enumerate(self._ranks) if s.state is RankState.DEAD]
+        return [r for r, s in enumerate(self._ranks) if s.state is _DEAD]
 
     def alive_count(self) -> int:
         return self._alive_count
@@ -122,16 +131,17 @@ class Liveness:
         if not 0 <= rank < self.world_size:
             return False
         r = self._ranks[rank]
-        if r.state is not RankState.ALIVE:
+        if r.state is not _ALIVE:
             return False
-        r.last_seen_at = max(r.last_seen_at, now)
+        if now > r.last_seen_at:  # (max() of two costs 8× this on 3.11)
+            r.last_seen_at = now
         return True
 
     def seen(self, rank: int, now: float) -> None:
         """Any frame from ``rank`` arrived at ``now``."""
         r = self._ranks[rank]
-        if r.state is RankState.ALIVE:
-            r.last_seen_at = max(r.last_seen_at, now)
+        if r.state is _ALIVE and now > r.last_seen_at:
+            r.last_seen_at = now
 
     def mark_exited(self, rank: int) -> bool:
         """Latch a clean exit; returns False if the rank was not alive (already dead/exited)."""
@@ -175,7 +185,7 @@ class Liveness:
         stale: list[int] = []
         earliest: float | None = None
         for r, s in enumerate(self._ranks):
-            if s.state is not RankState.ALIVE:
+            if s.state is not _ALIVE:
                 continue
             at = s.last_seen_at + timeout
             if now >= at:
@@ -194,7 +204,7 @@ class Liveness:
         if self._alive_count == 0:
             return None
         if self._deadline_at is None:
-            seen = [s.last_seen_at for s in self._ranks if s.state is RankState.ALIVE]
+            seen = [s.last_seen_at for s in self._ranks if s.state is _ALIVE]
             self._deadline_at = min(seen) + self.heartbeat_timeout_s
         return self._deadline_at
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Collection
-from typing import Any
+from typing import Any, Final
 
 from flodl.config import CoordConfig
 from flodl.coord.admission import Admission, running_refusal
@@ -86,6 +86,10 @@ from flodl.wire.frames import (
 )
 
 __all__ = ["RunPhase", "ResumeState", "Coordinator", "META_SCHEMA_VERSION"]
+
+_TRAINING: Final = RunPhase.TRAINING
+"""(Read per frame: a module global, not the enum class's attribute, which costs 7× more on
+Python 3.11; see :mod:`flodl.coord.liveness`.)"""
 
 
 class Coordinator:
@@ -309,7 +313,7 @@ class Coordinator:
             cycle = self.cycle
             if cycle.phase is CyclePhase.PENDING:
                 at = cycle.pending_since_at + self._stall_ceiling_s
-            elif phase is RunPhase.TRAINING:
+            elif phase is _TRAINING:
                 at = self.last_progress_at + self._stall_ceiling_s
             else:
                 return best
@@ -442,7 +446,7 @@ class Coordinator:
         ``holding``: ranks just handed a chunk (a finalize's folds); a barrier-paced mode gives
         a rank that holds work nothing more, so they are not asked again (O(W) calls saved)."""
         dispatch = self.dispatch
-        while self.phase is RunPhase.TRAINING:
+        while self.phase is _TRAINING:
             closed = dispatch.pop_done_epoch()
             if closed is not None:
                 self.reporting.close_epoch(closed, now, self.elche, self.averaging.sync_rounds, out)
@@ -453,7 +457,7 @@ class Coordinator:
                 self._end_of_training(now, out)
                 return
             dispatch.open_epoch(dispatch.next_epoch, now, out)
-        if self.phase is not RunPhase.TRAINING:
+        if self.phase is not _TRAINING:
             return
         if self.progressive:
             skip = holding if dispatch.barrier_paced else ()
@@ -525,7 +529,7 @@ class Coordinator:
     def _progress_deadline(self) -> float | None:
         """Safety net against a wedged cohort (no batch and no finalized cycle for the stall
         ceiling while training, outside a pending cycle, which has its own ceiling)."""
-        if self.phase is not RunPhase.TRAINING or self.cycle.pending or self.save_reason:
+        if self.phase is not _TRAINING or self.cycle.pending or self.save_reason:
             return None
         return self.last_progress_at + self._stall_ceiling_s
 
@@ -625,7 +629,7 @@ class Coordinator:
             return
         if self.cycle.ready():
             self._finalize_cycle(now, out)
-        if self.phase is RunPhase.TRAINING:
+        if self.phase is _TRAINING:
             dispatch.dispatch_idle(now, out)
             self._maybe_trigger(now, out)
 
@@ -703,7 +707,7 @@ class Coordinator:
         out.append(Record(self.paths[frame.rank], "resource", frame.model_dump()))
 
     def _on_revoked(self, frame: PartitionRevoked, now: float, out: list[Effect]) -> None:
-        training = self.phase is RunPhase.TRAINING
+        training = self.phase is _TRAINING
         self.dispatch.on_revoked(frame, out, redistribute=training)
         self._maybe_trigger(now, out)
 
@@ -727,7 +731,7 @@ class Coordinator:
         self.averaging.throttle_leaders(out)
         dispatch = self.dispatch
         if (
-            self.phase is RunPhase.TRAINING
+            self.phase is _TRAINING
             and self.progressive
             and dispatch.in_flight(rank) == 0
             and not dispatch.window_spent(rank)
@@ -741,7 +745,7 @@ class Coordinator:
     # =========================================================================================
 
     def _maybe_trigger(self, now: float, out: list[Effect]) -> None:
-        if self.phase is RunPhase.TRAINING:
+        if self.phase is _TRAINING:
             self.averaging.maybe_trigger(now, out)
 
     def _finalize_cycle(self, now: float, out: list[Effect]) -> None:
@@ -750,12 +754,12 @@ class Coordinator:
         self.last_progress_at = now
         try:
             self._finalize(now, out)
-            self.admission.caught_up(now, out, training=self.phase is RunPhase.TRAINING)
+            self.admission.caught_up(now, out, training=self.phase is _TRAINING)
         finally:
             self.cycle.finish()  # never fold a round twice, even if finalizing failed
         fold: dict[int, EpochPlan] = {}
         if (
-            self.phase is RunPhase.TRAINING
+            self.phase is _TRAINING
             and self.traits.folds_next_chunk
             and self.progressive
             and self.dispatch.first_unassigned() is not None
@@ -769,7 +773,7 @@ class Coordinator:
         averaging = self.averaging
         sync_ms = averaging.sync_ms(now)
         # 1. commit contributors' snapshots; settle deferred forfeits.
-        averaging.commit(out, redistribute=self.phase is RunPhase.TRAINING)
+        averaging.commit(out, redistribute=self.phase is _TRAINING)
         # 2. ElChe feedback from the closed windows (the role ranks' callback slack first).
         windows = averaging.closed_windows()
         steps = [w.steps for w in windows]

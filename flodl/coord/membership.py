@@ -120,7 +120,9 @@ class Membership:
         return [r for r in self.liveness.alive() if r not in self.awaiting]
 
     def training_mask(self) -> list[bool]:
-        return [self.trains(r) for r in range(self.world_size)]
+        """:meth:`trains` of every rank, in one pass over the live mask."""
+        awaiting = self.awaiting
+        return [up and r not in awaiting for r, up in enumerate(self.liveness.alive_mask())]
 
     def state(self, rank: int) -> RankState:
         return self.liveness.state(rank)
