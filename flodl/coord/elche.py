@@ -841,8 +841,8 @@ class ElChe:
         return 0.0 if self._anchor_rank is None else self._rings[self._anchor_rank].mean()
 
     def _slow_cohort(self, means: Sequence[float]) -> list[int]:
-        """The live ranks within :data:`COHORT_BAND` of the slowest, by ``means`` (each rank's
-        trust-window mean, read once per election: the election reads every rank's twice)."""
+        """The live ranks within :data:`COHORT_BAND` of the slowest, by ``means``: each rank's
+        trust-window mean, read once per election where each use asked its ring again."""
         alive = [r for r, up in enumerate(self._alive) if up]
         max_ms = max((means[r] for r in alive), default=0.0)
         if max_ms <= 0:
