@@ -441,8 +441,7 @@ class Dispatch:
                 continue
             if extension:
                 self._ext_holding.add(rank)
-            if not self._gate_stale:  # (a finalize's: the gate is rebuilt on its next read)
-                refresh(rank)
+            refresh(rank)  # (nothing while the gate awaits a finalize's rebuild)
             if final_slot is not None and slots is not None:
                 slots[rank] = max(0, slots[rank] - rng.size)
             plans[rank] = plan(work.epoch, rng)

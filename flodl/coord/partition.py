@@ -514,12 +514,9 @@ def chunk_batches(
         require_positive("min_chunk_batches", min_chunk_batches)
         if final_slot is not None:
             require_non_negative("final_slot", final_slot)
-    if barrier_paced and final_slot is None:
-        if count < 0 or max_overshoot < 0:  # (reduce_step_budget's checks)
-            require_non_negative("count", count)
-            require_non_negative("max_overshoot", max_overshoot)
-        return window_chunk(count, steps_in_window, remaining)
     budget = reduce_step_budget(count, max_overshoot, barrier_paced=barrier_paced)
+    if barrier_paced and final_slot is None:  # (rules 2 and 3 coincide; the budget is the count)
+        return window_chunk(budget, steps_in_window, remaining)
     if remaining == 0 or steps_in_window >= budget:
         return 0
     if final_slot is not None:
