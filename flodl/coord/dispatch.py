@@ -206,10 +206,6 @@ class Dispatch:
         """``rank``'s done count per open epoch (what a cycle it enters will commit)."""
         return {e: w.done(rank) for e, w in self.works.items()}
 
-    def epochs_done(self) -> bool:
-        """No epoch is open and every epoch of the run was opened."""
-        return not self.works and self.next_epoch >= self.config.total_epochs
-
     # ------------------------------------------------------------------ the count gate
     def cohort(self) -> tuple[list[int], list[bool], int]:
         """(counts ≥ 1 for ranks that train and 0 for the others — dead, or rejoined and
@@ -239,9 +235,9 @@ class Dispatch:
             self.refresh_all()
         return self.gate
 
-    def refresh(self, rank: int) -> None:
+    def refresh(self, rank: int, in_flight: int = -1) -> None:
         """Recompute ``rank``'s count-gate flags (nothing while the gate awaits its rebuild,
-        which computes them)."""
+        which computes them); ``in_flight``: its count if the caller just took it, else -1."""
         if self._gate_stale:
             return
         live = self.membership.is_alive(rank)
@@ -249,7 +245,7 @@ class Dispatch:
             self.gate.set(rank, live=False, sat=False, moved=False)
             return
         steps = self.windows[rank].window.steps
-        quiesced = self.in_flight(rank) == 0
+        quiesced = (in_flight if in_flight >= 0 else self.in_flight(rank)) == 0
         if self._whole_chunk:  # (the window is done when its chunk is, never in its middle)
             sat = quiesced
         else:
@@ -274,7 +270,7 @@ class Dispatch:
 
     def gate_open(self) -> bool:
         """Whether the count gate says a cycle may start."""
-        return self._fresh_gate().open(self.membership.alive_count())
+        return self._fresh_gate().ready() and self.gate.open(self.membership.alive_count())
 
     # ------------------------------------------------------------------ epochs
     def open_epoch(self, epoch: int, now: float, out: list[Effect]) -> EpochWork:
@@ -498,21 +494,28 @@ class Dispatch:
         return pinned[1]
 
     # ------------------------------------------------------------------ batches, commits, deaths
-    def on_batch(self, batch: Batch) -> None:
-        """A rank trained a batch of its oldest assigned range.
+    def on_batch(self, batch: Batch) -> int:
+        """A rank trained a batch of its oldest assigned range; returns the batches it holds
+        in flight now (:meth:`in_flight`, counted once per batch).
 
         Raises:
             RemoteProtocolError: the rank was given no work of that epoch (it is evicted).
         """
         rank = batch.rank
         work = self.works.get(batch.epoch)
-        if work is None or work.in_flight(rank) == 0:
+        try:  # (advance refuses a step beyond the batches in flight: one call, not two)
+            left = -1 if work is None else work.advance(rank)
+        except LocalProtocolError:  # (and the rank is in range, as every frame's sender is)
+            left = -1
+        if left < 0:
             raise RemoteProtocolError(
                 f"rank {rank} trained a batch of epoch {batch.epoch} it was not given", rank=rank
             )
-        work.advance(rank)
-        if rank in self._ext_holding and self.in_flight(rank) == 0:
+        if len(self.works) > 1:  # (another epoch is open too: count them all)
+            left = self.in_flight(rank)
+        if left == 0 and rank in self._ext_holding:
             self._ext_holding.discard(rank)
+        return left
 
     def commit(self, rank: int, snapshot: dict[int, int]) -> None:
         """Commit ``rank``'s work up to its snapshot (a finalized cycle folded it in)."""

@@ -55,8 +55,9 @@ class CountGate:
         if not live:
             sat = moved = False
         else:
-            self._unsat += int(self._sat[rank]) - int(sat)
-            self._moved_count += int(moved) - int(self._moved[rank])
+            # (bools count as 0 and 1: int() of each would cost more than the rest of it)
+            self._unsat += self._sat[rank] - sat
+            self._moved_count += moved - self._moved[rank]
         self._sat[rank], self._moved[rank] = sat, moved
 
     def forget(self, rank: int) -> None:
@@ -72,6 +73,11 @@ class CountGate:
         """Live ranks not satisfied yet."""
         return self._unsat
 
+    def ready(self) -> bool:
+        """Every live rank satisfied and at least one moved: :meth:`open` but for its live
+        count, which the caller need not fetch while this is False (on every batch)."""
+        return self._unsat == 0 and self._moved_count > 0
+
     def open(self, alive_count: int) -> bool:
         """Every live rank satisfied, at least one moved, at least one alive."""
-        return self._unsat == 0 and self._moved_count > 0 and alive_count > 0
+        return alive_count > 0 and self.ready()

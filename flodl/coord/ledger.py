@@ -484,8 +484,10 @@ class EpochWork:
 
     # -- progress -------------------------------------------------------------------------------
 
-    def advance(self, rank: int, steps: int = 1) -> None:
-        """Mark the next ``steps`` batches of ``rank``'s FIFO queue done (trained).
+    def advance(self, rank: int, steps: int = 1) -> int:
+        """Mark the next ``steps`` batches of ``rank``'s FIFO queue done (trained); return the
+        batches it has in flight after them (what :meth:`in_flight` would say, without a
+        second call on every trained batch).
 
         Raises:
             LocalProtocolError: a bad rank, negative ``steps``, or more steps than batches in
@@ -502,6 +504,7 @@ class EpochWork:
                 rank=rank,
             )
         ledger.done_open += steps
+        return in_flight - steps
 
     def commit(self, rank: int) -> None:
         """Commit every done batch of ``rank`` (a reduce including its contribution finalized)."""

@@ -716,7 +716,8 @@ class Coordinator:
 
     def _on_batch(self, batch: Batch, now: float, out: list[Effect]) -> None:
         rank = batch.rank
-        self.dispatch.on_batch(batch)
+        dispatch = self.dispatch
+        left = dispatch.on_batch(batch)  # (its batches in flight now: counted once, used twice)
         slice_report = batch.metrics
         if slice_report is not None:  # the batch finished a slice: its report rides along
             if slice_report.rank != rank:
@@ -729,15 +730,15 @@ class Coordinator:
         self.averaging.on_batch(batch)
         self.reporting.on_batch(batch, self.dispatch.works.get(batch.epoch), now, self.elche, out)
         self.averaging.throttle_leaders(out)
-        dispatch = self.dispatch
         if (
-            self.phase is _TRAINING
+            left == 0
             and self.progressive
-            and dispatch.in_flight(rank) == 0
+            and self.phase is _TRAINING
             and not dispatch.window_spent(rank)
         ):
             dispatch.dispatch(rank, now, out)
-        dispatch.refresh(rank)
+            left = -1  # (the hand-out changed it: refresh counts again)
+        dispatch.refresh(rank, left)
         self._maybe_trigger(now, out)
 
     # =========================================================================================

@@ -44,3 +44,16 @@ def test_load_refuses_flags_for_another_world_size() -> None:
     with pytest.raises(LocalProtocolError, match="2/3 flags for 3 ranks"):
         gate.load(3, [True, True], [True, True, True])
     assert gate.unsatisfied == 3  # unchanged
+
+
+def test_ready_is_open_but_for_the_live_count() -> None:
+    gate = CountGate(2)
+    gate.reset(2)
+    assert not gate.ready()
+    gate.set(0, live=True, sat=True, moved=False)
+    gate.set(1, live=True, sat=True, moved=False)
+    assert gate.unsatisfied == 0 and not gate.ready()  # nobody moved yet
+    gate.set(1, live=True, sat=True, moved=True)
+    assert gate.ready() and gate.open(2) and not gate.open(0)
+    gate.set(0, live=True, sat=False, moved=True)
+    assert gate.unsatisfied == 1 and not gate.ready() and not gate.open(2)

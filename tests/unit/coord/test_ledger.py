@@ -84,9 +84,9 @@ def test_fifo_advance_across_several_ranges_and_commit() -> None:
     work.assign(0, R(0, 5))
     work.assign(0, R(20, 23))
     work.assign(0, R(40, 44))
-    work.advance(0, 4)
+    assert work.advance(0, 4) == 8  # (what is left in flight)
     assert work.outstanding(0) == [R(4, 5), R(20, 23), R(40, 44)]
-    work.advance(0, 3)  # crosses into the second range
+    assert work.advance(0, 3) == 5  # crosses into the second range
     assert work.outstanding(0) == [R(22, 23), R(40, 44)]
     assert (work.done(0), work.in_flight(0), work.committed(0), work.pending(0)) == (7, 5, 0, 12)
     work.commit(0)
@@ -97,7 +97,7 @@ def test_fifo_advance_across_several_ranges_and_commit() -> None:
         work.advance(0, 6)
     assert exc.value.rank == 0
     assert work.done(0) == 7  # unchanged by the refused advance
-    work.advance(0, 5)
+    assert work.advance(0, 5) == 0 == work.in_flight(0)
     work.commit_upto(0, 9)  # a reduce that saw 9 done batches
     assert work.committed(0) == 9
     assert work.committed_by_rank()[0] == [R(0, 5), R(20, 23), R(40, 41)]
