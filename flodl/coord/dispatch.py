@@ -111,6 +111,7 @@ class Dispatch:
         self.traits = el.traits
         self.progressive = config.progressive
         self.membership = membership
+        self._is_alive = membership.liveness.is_alive  # (every batch asks it: bound once)
         self.elche = elche
         self.cycle = cycle
         self.windows = windows
@@ -240,7 +241,7 @@ class Dispatch:
         which computes them); ``in_flight``: its count if the caller just took it, else -1."""
         if self._gate_stale:
             return
-        live = self.membership.is_alive(rank)
+        live = self._is_alive(rank)
         if not live:
             self.gate.set(rank, live=False, sat=False, moved=False)
             return
