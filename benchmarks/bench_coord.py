@@ -49,6 +49,7 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -218,10 +219,12 @@ and the machine's speed drifts within a sitting."""
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run with the median cycle cost, carrying every run's cycle cost (ascending)."""
+    """The run with the median cycle cost, carrying every run's cycle cost (ascending) and
+    the median of their plain batch costs (a figure of its own, whichever run it came from)."""
     ordered = sorted(runs, key=lambda r: r["cycle_us"])
     return ordered[(len(ordered) - 1) // 2] | {
         "cycle_us_runs": [r["cycle_us"] for r in ordered],
+        "batch_us_median": statistics.median(r["batch_us"] for r in runs),
         "repeats": len(ordered),
     }
 
@@ -372,14 +375,22 @@ def _baseline_lines(base: dict[str, Any]) -> list[str]:
             "tree's, the same sizes, cycles and runs; each side's row is its median run."
         ),
         "",
-        "| core | ranks | cycle µs | baseline cycle µs | this / baseline | baseline, each run |",
-        "|---|---|---|---|---|---|",
+        (
+            "| core | ranks | cycle µs | baseline cycle µs | this / baseline | baseline, each run "
+            "| batch µs | baseline batch µs | this / baseline |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in base["comparison"]:
         runs = " · ".join(f"{us:,.0f}" for us in c["baseline_cycle_us_runs"])
+        batch = (  # (result files from before the batch columns have none)
+            f"{c['batch_us']:.2f} | {c['baseline_batch_us']:.2f} | {c['batch_ratio']:.2f}×"
+            if "batch_ratio" in c
+            else "- | - | -"
+        )
         lines.append(
             f"| {c['core']} | {c['world']:,} | {c['cycle_us']:,.0f} "
-            f"| {c['baseline_cycle_us']:,.0f} | {c['ratio']:.2f}× | {runs} |"
+            f"| {c['baseline_cycle_us']:,.0f} | {c['ratio']:.2f}× | {runs} | {batch} |"
         )
     lines.append("")
     for core, cv in base["verdicts"].get("by_core", {}).items():
@@ -436,7 +447,8 @@ def baseline_tree(rev: str, dest: Path) -> str:
 
 
 def comparison(rows: list[dict[str, Any]], base: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """This tree's median cycle against the baseline's, per core and world size."""
+    """This tree's median cycle against the baseline's, per core and world size, and its
+    plain batch frame's median cost against the baseline's."""
     theirs = {(_core(r), r["world"]): r for r in base}
     out = []
     for r in rows:
@@ -450,6 +462,10 @@ def comparison(rows: list[dict[str, Any]], base: list[dict[str, Any]]) -> list[d
                     "baseline_cycle_us": b["cycle_us"],
                     "ratio": r["cycle_us"] / b["cycle_us"],
                     "baseline_cycle_us_runs": b.get("cycle_us_runs", [b["cycle_us"]]),
+                    # a plain batch frame: the median over each side's runs
+                    "batch_us": r["batch_us_median"],
+                    "baseline_batch_us": b["batch_us_median"],
+                    "batch_ratio": r["batch_us_median"] / b["batch_us_median"],
                 }
             )
     return out
