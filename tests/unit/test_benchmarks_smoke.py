@@ -503,7 +503,7 @@ def test_coord_against_a_baseline_reports_each_core_and_size(bench: Any) -> None
             {"world": w, "cycle_us": us * scale, "cycle_us_per_rank": us * scale / w}
             | {"core": core, "batch_us": 3.5, "total_ms_per_cycle": 1.0, "one_off_ms": 2.0}
             | {"sim_rank_seconds_per_wall_s": 700, "closing_ms": 1.0, "cycles": 24}
-            | {"cycle_gc_us": 0.0, "cycle_us_runs": [us * scale]}
+            | {"cycle_gc_us": 0.0, "cycle_us_runs": [us * scale], "batch_us_median": 4 * scale}
             for core, k in (("interpreted", 1.0), ("compiled", 0.5))
             for w, us in ((8, 300.0 * k), (64, 1_500.0 * k), (4096, 100_000.0 * k))
         ]
@@ -512,6 +512,7 @@ def test_coord_against_a_baseline_reports_each_core_and_size(bench: Any) -> None
     compared = c.comparison(this, base)
     assert [(x["core"], x["world"]) for x in compared][-1] == ("compiled", 4096)
     assert all(x["ratio"] == pytest.approx(0.8) for x in compared)
+    assert all(x["batch_ratio"] == pytest.approx(0.8) for x in compared)
     data = result_head("python benchmarks/bench_coord.py --compiled --baseline HEAD~1") | {
         "rows": this,
         "verdicts": c.verdicts(this),
@@ -525,7 +526,7 @@ def test_coord_against_a_baseline_reports_each_core_and_size(bench: Any) -> None
     }
     text = c.markdown(data)
     assert "Against the baseline `HEAD~1` (commit `0123456789`)" in text
-    assert "| compiled | 4,096 | 40,000 | 50,000 | 0.80× | 50,000 |" in text
+    assert "| compiled | 4,096 | 40,000 | 50,000 | 0.80× | 50,000 | 3.20 | 4.00 | 0.80× |" in text
     assert "- The baseline's interpreted core in this run: 4096-rank cycle 100.0 ms" in text
     assert "Against the baseline" not in c.markdown(data | {"baseline": None})
 
@@ -541,11 +542,17 @@ def test_coord_baseline_is_a_revision_of_this_repository(bench: Any, tmp_path: P
 
 def test_coord_rows_are_the_median_run_of_each_size(bench: Any) -> None:
     c = bench("bench_coord")
-    runs = [{"world": 4096, "cycle_us": us, "tag": us} for us in (130_000.0, 95_000.0, 110_000.0)]
+    runs = [
+        {"world": 4096, "cycle_us": us, "tag": us, "batch_us": b}
+        for us, b in ((130_000.0, 5.0), (95_000.0, 7.5), (110_000.0, 9.0))
+    ]
     row = c.median_run(runs)
     assert row["tag"] == 110_000.0 and row["repeats"] == 3  # the middle one, whole
     assert row["cycle_us_runs"] == [95_000.0, 110_000.0, 130_000.0]
+    assert row["batch_us"] == 9.0 and row["batch_us_median"] == 7.5  # (not that run's)
     assert c.median_run(runs[:2])["tag"] == 95_000.0  # an even count: the lower middle
+    # the batch figure is the median of every run's, whichever run has the median cycle
+    assert c.median_run(runs[:2])["batch_us_median"] == 6.25
     assert c._runs_cell(row) == "95,000 · 110,000 · 130,000"
 
 
