@@ -32,7 +32,7 @@ from flodl.config import CoordConfig
 from flodl.coord.admission import Admission, running_refusal
 from flodl.coord.averaging import Averaging
 from flodl.coord.callbacks import Callbacks
-from flodl.coord.cycle import Cycle, CyclePhase, RankWindow
+from flodl.coord.cycle import Cycle, RankWindow
 from flodl.coord.dispatch import Dispatch
 from flodl.coord.effects import (
     Alert,
@@ -311,7 +311,7 @@ class Coordinator:
             best = exit_at
         if self.save_reason is None:
             cycle = self.cycle
-            if cycle.phase is CyclePhase.PENDING:
+            if cycle.pending:
                 at = cycle.pending_since_at + self._stall_ceiling_s
             elif phase is _TRAINING:
                 at = self.last_progress_at + self._stall_ceiling_s
@@ -728,7 +728,7 @@ class Coordinator:
             self.reporting.on_metrics(slice_report)
         self.last_progress_at = now
         self.averaging.on_batch(batch)
-        self.reporting.on_batch(batch, self.dispatch.works.get(batch.epoch), now, self.elche, out)
+        self.reporting.on_batch(batch, dispatch.works.get(batch.epoch), now, self.elche, out)
         self.averaging.throttle_leaders(out)
         if (
             left == 0
