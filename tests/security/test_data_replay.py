@@ -150,14 +150,18 @@ def play(port: int, data: bytes) -> None:
 def handshake(port: int, run_id: str) -> socket.socket:
     """A genuine hello of rank 0 of ``run_id`` (the test holds the secret), acked."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
-    hello = encode_data_hello(SECRET, run_id, 0, 1)
-    sock.sendall(hello)
-    ack = b""
-    while len(ack) < HELLO_BYTES:
-        chunk = sock.recv(HELLO_BYTES - len(ack))
-        assert chunk, "the server refused a genuine hello"
-        ack += chunk
-    check_data_ack(SECRET, run_id, hello, ack)
+    try:
+        hello = encode_data_hello(SECRET, run_id, 0, 1)
+        sock.sendall(hello)
+        ack = b""
+        while len(ack) < HELLO_BYTES:
+            chunk = sock.recv(HELLO_BYTES - len(ack))
+            assert chunk, "the server refused a genuine hello"
+            ack += chunk
+        check_data_ack(SECRET, run_id, hello, ack)
+    except BaseException:
+        sock.close()  # (a failed handshake leaves no socket for a later test's warning)
+        raise
     return sock
 
 
@@ -256,6 +260,9 @@ def test_a_previous_connections_upload_fails_on_the_ranks_next_connection() -> N
         pending.join(WAIT_S)
         assert not pending.is_alive() and len(lost) == 1
         assert srv.waiting_for(5) == (0,)  # the server never saw that upload
+        # The server takes one live data connection per rank: the next incarnation's hello
+        # is refused until its thread has seen the first connection's end (asynchronous).
+        wait_for(lambda: 0 not in srv._by_rank, "the server to release the first connection")
         with handshake(srv.port, "run-a") as sock:
             sock.sendall(bytes(proxy.sent[HELLO_BYTES:]))
             with contextlib.suppress(ConnectionResetError, BrokenPipeError):
