@@ -391,8 +391,7 @@ def _run_chaos(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from flodl.demo.run import DEFAULT_EPOCHS
-
+    # (nothing of flodl.demo here: it imports torch, which no other command's parser needs)
     p = sub.add_parser(
         "demo",
         help="train a character-level model on the stdlib's source: solo vs N unequal ranks",
@@ -413,7 +412,9 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="make RANK FACTOR times slower (repeatable or comma-separated; default 1:3; "
         "'none' for equal ranks)",
     )
-    p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS, help="epochs of both runs")
+    p.add_argument(
+        "--epochs", type=int, default=None, help="epochs of both runs (default 3)"
+    )  # (None: DemoOptions' default, DEFAULT_EPOCHS; tests/unit/test_cli.py pins the two)
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
     p.add_argument("--seed", type=int, default=0, help="model and shuffle seed")
     p.add_argument(
@@ -428,7 +429,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     import dataclasses
 
     from flodl.demo import DemoOptions, parse_slow, run_demo
-    from flodl.demo.run import result_json
+    from flodl.demo.run import DEFAULT_EPOCHS, result_json
     from flodl.errors import FlodlError
 
     try:
@@ -436,7 +437,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             mode=args.mode,
             ranks=args.ranks,
             slow={},
-            epochs=args.epochs,
+            epochs=DEFAULT_EPOCHS if args.epochs is None else args.epochs,
             out=args.out,
             seed=args.seed,
         )

@@ -114,3 +114,39 @@ def test_bad_coord_options_exit_2_naming_the_problem(
     err = capsys.readouterr().err
     assert err.startswith("flodl coord: error: "), err
     assert message in err
+
+
+def test_the_demo_runs_its_default_epochs_and_its_help_says_how_many(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The parser leaves --epochs unset (it does not import the demo, which imports torch);
+    the command then takes the demo's own default, and the help names that number."""
+    import flodl.demo
+    from flodl.demo.run import DEFAULT_EPOCHS, DemoOptions
+
+    ran: list[DemoOptions] = []
+    monkeypatch.setattr(flodl.demo, "run_demo", lambda options: ran.append(options))
+    assert main(["demo", "--out", "unused"]) == 0
+    assert main(["demo", "--out", "unused", "--epochs", "5"]) == 0
+    assert [o.epochs for o in ran] == [DEFAULT_EPOCHS, 5]
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert f"(default {DEFAULT_EPOCHS})" in " ".join(capsys.readouterr().out.split())
+
+
+def test_no_command_but_the_demo_imports_torch() -> None:
+    """Building the parser, --help and a whole `flodl sim` stay clear of torch (about 2 s of
+    start-up here): only the demo, the coordinator and the ranks need it."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from flodl.cli import main\n"
+        "for argv in (['records', '--help'], ['demo', '--help'],"
+        " ['sim', '--speeds', '1,2', '--dataset-len', '400']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stderr
