@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,9 @@ def test_standalone_coordinator_example() -> None:
         text=True,
         timeout=150,
         check=False,
-        env={"PATH": env_path, "HOME": str(Path.home())},
+        # a bare environment, as a user's shell; TMPDIR is the suite's (tests/conftest.py), where
+        # torchrun leaves its log directory
+        env={"PATH": env_path, "HOME": str(Path.home()), "TMPDIR": os.environ["TMPDIR"]},
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "trained 4 parameter tensors with 2 ranks" in out.stdout
@@ -53,8 +56,6 @@ def test_standalone_coordinator_example() -> None:
 
 @pytest.mark.timeout(160)
 def test_cluster_file_example_with_flodl_launch() -> None:
-    import os
-
     env = {**os.environ, "FLODL_LOCAL_HOSTS": "node-a,node-b"}
     out = subprocess.run(
         [
