@@ -17,11 +17,11 @@ Pure module (docs/design.md §3): a virtual clock, one seeded ``random.Random``,
 * the network keeps each connection's order (TCP does): a frame is never delivered before an
   earlier one on the same connection, whatever delay is drawn for it.
 
-Failures: ``kill`` (the launcher reports the exit after ``detect_delay_s``) and ``hang``
-(silence: only the heartbeat timeout notices). Same seed ⇒ identical trace (the effect log
-digest proves it). :meth:`SimCluster.run` checks the coordinator's invariants after every step
-and raises :class:`~flodl.errors.InvariantViolation`; a rank that fails without a fault
-injected into it is a violation too.
+Failures: ``kill`` (the launcher reports the exit after ``detect_delay_s``), ``hang``
+(silence: only the heartbeat timeout notices), ``rejoin`` (:class:`Failure`). Same seed ⇒
+identical trace (the effect log digest proves it). :meth:`SimCluster.run` checks the
+coordinator's invariants after every step and raises :class:`~flodl.errors.InvariantViolation`;
+a rank that fails without a fault injected into it is a violation too.
 """
 
 from __future__ import annotations
@@ -680,7 +680,11 @@ class SimCluster:
     def _fault(self, f: Failure) -> None:
         r = self.ranks[f.rank]
         if f.kind == "rejoin":
-            if not r.exited:  # (as a launcher: a rank that left cleanly is never respawned)
+            if r.hung and r.alive:  # its process ends first, as a kill; the respawn follows
+                self._kill(r)  # (docs/design.md §3, "Membership that grows back")
+                again = Failure(f.rank, self.now + self.heartbeat_s, "rejoin", f.ms_per_batch)
+                self._push(again.at_s, "fault", again)
+            elif not r.exited:  # (as a launcher: a rank that left cleanly is never respawned)
                 self._respawn(r, f.ms_per_batch)
             return
         if not r.running:
@@ -695,7 +699,7 @@ class SimCluster:
     def _respawn(self, old: _SimRank, ms_per_batch: float | None) -> None:
         """A new incarnation of a killed rank: a fresh rank protocol (the accept tells it it
         rejoins), the same speed, its counters carried over (the trace sums both)."""
-        if old.alive or old.killed_at is None or self.now - old.killed_at < self.heartbeat_s:
+        if old.alive or old.killed_at is None or self.now < old.killed_at + self.heartbeat_s:
             raise ValueError(
                 f"rank {old.rank}: a rejoin needs a rank killed at least one heartbeat before"
             )

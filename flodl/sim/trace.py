@@ -19,7 +19,9 @@ class Failure:
     ``"hang"`` (the rank goes silent; only the heartbeat timeout notices), ``"rejoin"`` (a new
     incarnation of a killed rank starts and says ``hello``: docs/design.md §2, "Rejoin"; it
     must come at least a heartbeat interval after the kill, so that nothing of the old
-    incarnation is still scheduled).
+    incarnation is still scheduled. For a hung rank it is the end of the hung process, which
+    the launcher reports as a kill's, and the new incarnation's ``hello`` a heartbeat
+    interval later).
     """
 
     rank: int

@@ -46,6 +46,32 @@ def test_a_killed_rank_that_rejoins_trains_again_and_no_sample_is_lost(mode: str
     assert sum(tr.samples) >= 3 * 800 * BS
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("back_after_s", "declared"),
+    [(1.5, "process exited with code -9"), (6.0, "no frame for 3 s (heartbeat timeout)")],
+)
+def test_a_hung_rank_whose_process_ends_is_respawned_and_rejoins(
+    mode: str, back_after_s: float, declared: str
+) -> None:
+    # the hung process ends before its heartbeat timeout (its exit is the death), or after it
+    # (the timeout was); either way the launcher's respawn rejoins a heartbeat later
+    s = sim(
+        mode,
+        [10.0, 10.0, 20.0],
+        [Failure(2, 1.0, "hang"), Failure(2, 1.0 + back_after_s, "rejoin")],
+        heartbeat_timeout_s=3.0,
+    )
+    tr = s.run()
+    assert tr.ok, tr.reason
+    assert tr.coverage_ok == [True, True, True] and not tr.rank_failures
+    assert [(r, why) for _, r, why in tr.deaths] == [(2, declared)]
+    [(at, rank, incarnation)] = tr.rejoins
+    assert (rank, incarnation) == (2, 1) and at >= 1.0 + back_after_s + 1.0  # (hb 3 s: 1 s)
+    assert s.coord.membership.incarnations == [0, 0, 1]
+    assert s.ranks[2].proto.step > 0  # the new incarnation trained
+
+
 @pytest.mark.parametrize("mode", ["cpu_cadence", "cpu_async", "nccl_cadence"])
 def test_a_rejoined_rank_is_recalibrated_to_a_count_proportional_to_its_speed(mode: str) -> None:
     # rank 2 was the slow one (30 ms a batch); it comes back on a machine 3x faster
@@ -172,10 +198,11 @@ def test_a_rank_dead_inside_a_cycle_a_hung_rank_holds_open_may_rejoin_before_it_
     assert inside > 0  # (some rejoin did land inside its old incarnation's cycle)
 
 
-def _random_schedule(seed: int) -> dict[str, Any]:
+def _random_schedule(seed: int, hung_rejoin: bool = False) -> dict[str, Any]:
     """A run with 2 to 6 ranks of mixed speeds and up to four faults: kills, hangs, respawns
-    of killed ranks (at a new speed or the old), kills before a late rank's hello, failure
-    budgets, epoch callbacks, pinned roles."""
+    of killed ranks (at a new speed or the old) and, with ``hung_rejoin``, of hung ones, kills
+    before a late rank's hello, failure budgets, epoch callbacks, pinned roles. (Without
+    ``hung_rejoin`` the draws are those the seeds below were found with.)"""
     rng = random.Random(seed)
     mode = rng.choice(MODES)
     world = rng.randint(2, 6)
@@ -191,7 +218,7 @@ def _random_schedule(seed: int) -> dict[str, Any]:
         rank = rng.randrange(world)
         t += rng.uniform(0.0, 1.5)
         if rank in hung:
-            continue  # (a hung rank stays hung: the simulator takes no other fault for it)
+            continue  # (a hung rank takes no other fault)
         if rank in killed:
             speed = rng.choice([None, rng.uniform(5.0, 40.0)])
             t += 1.2  # a respawn comes at least a heartbeat after the kill
@@ -201,6 +228,9 @@ def _random_schedule(seed: int) -> dict[str, Any]:
             kind = rng.choice(["kill", "kill", "hang"])
             failures.append(Failure(rank, t, kind))  # type: ignore[arg-type]
             (killed if kind == "kill" else hung).add(rank)
+            if kind == "hang" and hung_rejoin:  # its process ends, before or after its timeout
+                back, speed = t + rng.uniform(0.2, 6.0), rng.choice([None, 10.0])
+                failures.append(Failure(rank, back, "rejoin", ms_per_batch=speed))
     kw: dict[str, Any] = {
         "world_size": world,
         "mode": mode,
@@ -234,11 +264,23 @@ def test_random_fault_schedules_with_hangs_respawns_and_late_joins_hold_every_in
     checked after every step. Seeds 464, 519 and 962 broke them before the rules for a rank
     admitted while a cycle is pending (docs/design.md §2, "Rejoin"), and before a rank killed
     ahead of its hello stopped saying it."""
-    kw = _random_schedule(seed)
+    _holds_every_invariant(_random_schedule(seed))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_schedules_where_hung_ranks_come_back_hold_every_invariant(seed: int) -> None:
+    """As above, and a hung rank's process may end, before or after its heartbeat timeout,
+    and be respawned."""
+    _holds_every_invariant(_random_schedule(1000 + seed, hung_rejoin=True))
+
+
+def _holds_every_invariant(kw: dict[str, Any]) -> None:
+    """Run a random schedule (the simulator checks the invariants after every step): it trains
+    every epoch with full coverage, or only a failure budget or the survivors' floor stops it."""
     tr = SimCluster(kw.pop("world_size"), kw.pop("mode"), kw.pop("speeds"), **kw).run()
     if tr.ok:
         assert tr.coverage_ok == [True] * kw["epochs"] and len(tr.epochs) == kw["epochs"]
-    else:  # only a failure budget or the survivors' floor stops a run
+    else:
         assert tr.deaths and tr.save_reason in (
             "max_failure_exceeded",
             "all_ranks_lost",
