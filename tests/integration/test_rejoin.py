@@ -5,6 +5,8 @@ processes, real sockets (docs/design.md §2, "Rejoin").
 incarnation only): the launcher reports the exit, the coordinator declares rank 2 dead and
 hands its uncommitted work to the pool, the launcher starts rank 2 again, and the new
 incarnation is admitted, gets the consensus in the next averaging round and trains to the end.
+A rank SIGSTOPped past its heartbeat timeout does the same once it runs again: it finds its
+coordinator gone, exits, and is respawned.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 from processes import left_running, processes_with
 from resume_runs import (
     PARITY_MODES,
+    completed_chaos_run,
     done,
     evals,
     rank_batches,
@@ -27,6 +30,7 @@ from resume_runs import (
     within_parity,
 )
 
+from flodl.chaos import ChaosPlan, Fault
 from flodl.config import MODES
 from flodl.monitor.records import read_tree
 
@@ -101,6 +105,44 @@ def test_a_killed_rank_is_respawned_rejoins_and_trains_to_the_end(
         base = uninterrupted(tmp_path, common, 3)
         acc = evals(out.stdout)[-1][1]
         assert within_parity(acc, base), (acc, base)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["cpu_cadence", "nccl_cadence"])
+def test_a_rank_stopped_past_its_heartbeat_timeout_is_respawned_when_it_runs_again(
+    mode: str, tmp_path: Path
+) -> None:
+    # SIGSTOP for 6 s under a 3 s heartbeat timeout: the coordinator declares rank 1 dead;
+    # continued, the old process finds its coordinator gone and exits 1, and the launcher's
+    # respawn rejoins (the simulator's hang-then-rejoin: docs/design.md §3)
+    plan = ChaosPlan((Fault("stop", 1, step=20, duration_s=6.0),))
+    samples = 4 * N
+    out, tree = completed_chaos_run(
+        tmp_path,
+        mode,
+        plan,
+        *("--slow", "0:20,1:20,2:20", "--respawn", "1"),
+        epochs=3,
+        samples=samples,
+        timeout_scale=0.1,
+    )
+    assert "rank 1 exited with code 1: respawning it (1 of 1); it rejoins the run" in out.stderr
+    watched = ("rank_lost", "rank_rejoined", "coverage")
+    events = sorted(
+        (r["ts"], r["data"]["class"], r["data"]["detail"])
+        for recs in tree.values()
+        for r in recs
+        if r["kind"] == "event" and r["data"]["class"] in watched
+    )
+    assert [cls for _, cls, _ in events] == ["rank_lost", "rank_rejoined"], events
+    assert events[0][2] == "rank 1 declared dead: no frame for 3 s (heartbeat timeout)"
+    [rejoined] = [r["data"] for recs in tree.values() for r in recs if r["kind"] == "rank_rejoined"]
+    assert rejoined["rank"] == 1 and rejoined["incarnation"] == 1
+    # every sample of every epoch trained, and the new incarnation trained (the old one
+    # logged about 20 batches before its stop)
+    counts = Counter(i for r in range(3) for b in rank_batches(tmp_path / "a", r) for i in b)
+    assert set(counts) == set(range(samples)) and min(counts.values()) >= 3
+    assert len(rank_batches(tmp_path / "a", 1)) > 60
 
 
 @pytest.mark.timeout(300)
