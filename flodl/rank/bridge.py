@@ -240,6 +240,8 @@ class RankBridge:
         self._inbox: queue.SimpleQueue[CoordFrame | _Signal] = queue.SimpleQueue()
         self._lost = _LostFlag()
         self._lost_reason = ""
+        self._beat_at: float | None = None
+        """``time.monotonic()`` of the latest heartbeat (the bridge loop's own pulse)."""
         self._step = 0
         self._accept: Accept | None = None
         self._started: concurrent.futures.Future[Accept] = concurrent.futures.Future()
@@ -657,6 +659,7 @@ class RankBridge:
     async def _heartbeat_loop(self) -> None:
         while not self._lost.is_set():
             step = self._step
+            self._beat_at = time.monotonic()
             self._write(Heartbeat(rank=self._rank, step=step))
             self._log.debug("heartbeat step=%d", step)
             await asyncio.sleep(self._heartbeat_s)
@@ -753,6 +756,7 @@ class RankBridge:
         """
         if self._lost.is_set():
             return
+        reason += self._stalled_note()
         grace = self._hard_exit_grace_s
         if self._terminal_seen:
             self._log.info("connection to the coordinator ended after shutdown: %s", reason)
@@ -775,6 +779,22 @@ class RankBridge:
                 self._on_lost(reason)
             except Exception:  # noqa: BLE001 - a user callback must not break the bridge
                 self._log.exception("on_lost callback failed")
+
+    def _stalled_note(self) -> str:
+        """What to add to a loss that follows a stall of this process: its bridge loop did not
+        run for a liveness timeout or more (SIGSTOP, a suspended machine, starved of CPU), so
+        it sent nothing either, and it is this rank that went quiet (docs/reliability.md)."""
+        beat = self._beat_at
+        if beat is None:
+            return ""
+        stalled_s = time.monotonic() - beat - self._heartbeat_s
+        if stalled_s < self._liveness_timeout_s:
+            return ""
+        return (
+            f"; this process itself did not run for {stalled_s:.3g} s before it (stopped, "
+            "suspended or starved of CPU), so the coordinator has most likely declared this "
+            "rank dead"
+        )
 
     def _hard_exit(self, reason: str, grace_s: float) -> None:
         """Timer thread: the main thread did not close() within the grace after the loss."""

@@ -127,6 +127,8 @@ def test_a_rank_stopped_past_its_heartbeat_timeout_is_respawned_when_it_runs_aga
         timeout_scale=0.1,
     )
     assert "rank 1 exited with code 1: respawning it (1 of 1); it rejoins the run" in out.stderr
+    # the old process says it was the one that went quiet, not only that its coordinator did
+    assert "this process itself did not run for" in out.stderr, out.stderr[-4000:]
     watched = ("rank_lost", "rank_rejoined", "coverage")
     events = sorted(
         (r["ts"], r["data"]["class"], r["data"]["detail"])

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import queue
+import re
 import socket
 import struct
 import subprocess
@@ -683,6 +684,7 @@ def test_silence_marks_lost_after_liveness_timeout(
     assert time.monotonic() - t0 >= 0.29  # never before the timeout (1 ms timer resolution)
     assert "no frame from the coordinator" in bridge.lost_reason
     assert "liveness timeout 0.3 s" in bridge.lost_reason
+    assert "did not run" not in bridge.lost_reason  # (this process ran all along)
     assert reasons.get(timeout=WAIT_S) == bridge.lost_reason
     with pytest.raises(CoordinatorLost, match="liveness timeout"):
         bridge.recv(timeout=WAIT_S)
@@ -692,6 +694,30 @@ def test_silence_marks_lost_after_liveness_timeout(
         bridge.send(Exiting(rank=0))
     # the bridge dropped the connection: the coordinator sees it end
     assert coord.next_frame()[1] is None
+
+
+def test_a_loss_after_this_process_did_not_run_says_it_was_this_rank_that_went_quiet(
+    fast_coord: FakeCoordinator, make_bridge: BridgeFactory
+) -> None:
+    """A rank process stopped (SIGSTOP, a suspended machine) or starved for longer than the
+    liveness timeout sent nothing either: the coordinator has most likely declared it dead, and
+    the loss says so instead of only blaming the coordinator's silence. Here the bridge's own
+    loop is held for 1 s, over three 0.3 s timeouts (as a stopped process's is)."""
+    coord = fast_coord
+    bridge = make_bridge(coord.port)
+    bridge.start()
+    coord.next_frame(Heartbeat)  # its heartbeats run
+    assert bridge._loop is not None
+    bridge._loop.call_soon_threadsafe(time.sleep, 1.0)
+    assert bridge.lost.wait(WAIT_S)
+    assert "no frame from the coordinator" in bridge.lost_reason
+    found = re.search(
+        r"; this process itself did not run for ([0-9.]+) s before it \(stopped, suspended or "
+        r"starved of CPU\), so the coordinator has most likely declared this rank dead$",
+        bridge.lost_reason,
+    )
+    assert found is not None, bridge.lost_reason
+    assert float(found[1]) >= 0.85  # the 1 s held, less at most one 0.1 s heartbeat interval
 
 
 # ---------------------------------------------------------------------------------------------
