@@ -4,7 +4,6 @@ starts put their temporary files."""
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable, Iterator, Mapping
 
 import pytest
@@ -33,12 +32,6 @@ def _children_keep_their_temporary_files_under_basetemp(
     crash runs no exit hook). This process's own ``tempfile`` is left as it was; a test that
     checks where a run directory goes sets ``TMPDIR`` for its child itself."""
     scratch = tmp_path_factory.mktemp("children-tmp", numbered=False)
-    before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(scratch)
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # (the session's own: monkeypatch is per test)
+        patch.setenv("TMPDIR", str(scratch))
         yield
-    finally:
-        if before is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = before
